@@ -1,0 +1,229 @@
+"""Graph analysis: census, skip connections, summaries.
+
+Pure graph logic over a converted ``MultiDiGraph``; nothing here imports torch,
+so it works on a graph loaded from a file in an environment without torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+
+__all__ = [
+    "MERGE_TARGETS",
+    "SkipConnection",
+    "census",
+    "format_summary",
+    "skip_connections",
+    "summary",
+    "topological_order",
+]
+
+#: Node targets that merge branches: ``(op, target)`` pairs. Additions and concatenations.
+MERGE_TARGETS = frozenset(
+    {
+        ("call_function", "operator.add"),
+        ("call_function", "operator.iadd"),
+        ("call_function", "torch.add"),
+        ("call_method", "add"),
+        ("call_method", "add_"),
+        ("call_method", "__add__"),
+        ("call_method", "__iadd__"),
+        ("call_function", "torch.cat"),
+        ("call_function", "torch.concat"),
+        ("call_function", "torch.concatenate"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class SkipConnection:
+    """Where branches that split at ``fork`` rejoin at ``merge``.
+
+    Attributes
+    ----------
+    merge : str
+        The node that adds or concatenates the branches.
+    fork : str
+        The nearest node every branch starts from (the merge's immediate dominator).
+    skip : tuple of str
+        The shortest branch: the nodes strictly between fork and merge on it,
+        in graph order. Empty for an identity skip; else a projection or downsample.
+    residual : tuple of str
+        The nodes on every other branch, in graph order.
+    branches : tuple of tuple of str
+        Every branch's nodes, shortest first (``branches[0] == skip``).
+    """
+
+    merge: str
+    fork: str
+    skip: tuple[str, ...]
+    residual: tuple[str, ...]
+    branches: tuple[tuple[str, ...], ...]
+
+    @property
+    def identity(self) -> bool:
+        """Whether the skip branch carries the fork's output unchanged."""
+        return not self.skip
+
+
+def topological_order(G: nx.MultiDiGraph) -> list[str]:
+    """Nodes in topological order, ties broken by fx ``order``: stable from run to run.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph([("x", "b"), ("x", "a"), ("a", "out"), ("b", "out")])
+    >>> nx.set_node_attributes(G, {"x": 0, "a": 1, "b": 2, "out": 3}, "order")
+    >>> topological_order(G)
+    ['x', 'a', 'b', 'out']
+    """
+    return list(nx.lexicographical_topological_sort(G, key=lambda n: G.nodes[n].get("order", 0)))
+
+
+def census(G: nx.MultiDiGraph, by: str = "op") -> dict[Any, int]:
+    """How many nodes have each value of the node attribute ``by``, most common first.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph()
+    >>> G.add_nodes_from([("a", {"op": "call_module"}), ("b", {"op": "call_module"}),
+    ...                   ("c", {"op": "output"})])
+    >>> census(G)
+    {'call_module': 2, 'output': 1}
+    """
+    counts = Counter(data.get(by) for _, data in G.nodes(data=True))
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0]))))
+
+
+def _carries_tensor(G: nx.MultiDiGraph, source: str) -> bool:
+    out_type = G.nodes[source].get("out_type")
+    if out_type is not None:
+        return out_type == "torch.Tensor" or out_type.endswith(".Parameter")
+    return G.nodes[source].get("op") != "get_attr"
+
+
+def skip_connections(G: nx.MultiDiGraph) -> list[SkipConnection]:
+    """Find every place where branches of the graph split and rejoin.
+
+    A merge is an addition or concatenation (:data:`MERGE_TARGETS`) of two or
+    more distinct tensor-producing inputs; its fork is the merge's immediate
+    dominator (every path from the inputs to the merge passes through it).
+    Merges whose inputs share no fork, such as adding a learned position
+    embedding, are not skip connections.
+
+    Returns
+    -------
+    list of SkipConnection
+        In graph order of the merge nodes.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph([("x", "conv"), ("conv", "add"), ("x", "add"), ("add", "output")])
+    >>> nx.set_node_attributes(G, "call_module", "op")
+    >>> G.nodes["add"].update(op="call_function", target="operator.add")
+    >>> [(s.fork, s.merge, s.skip, s.residual) for s in skip_connections(G)]
+    [('x', 'add', (), ('conv',))]
+    """
+    order = {n: i for i, n in enumerate(topological_order(G))}
+    merges = [
+        n
+        for n in order
+        if (G.nodes[n].get("op"), G.nodes[n].get("target")) in MERGE_TARGETS
+        and len({u for u in G.predecessors(n) if _carries_tensor(G, u)}) >= 2
+    ]
+    if not merges:
+        return []
+    root = ("fxnx", "root")  # a key no fx node name can equal
+    flow = nx.DiGraph(G.edges())
+    flow.add_nodes_from(G.nodes)
+    flow.add_edges_from((root, n) for n in G.nodes if G.in_degree(n) == 0)
+    idom = nx.immediate_dominators(flow, root)
+    found = []
+    for merge in merges:
+        fork = idom[merge]
+        if fork == root:
+            continue
+        below_fork = nx.descendants(flow, fork)
+        inputs = sorted({u for u in G.predecessors(merge) if _carries_tensor(G, u)}, key=order.get)
+        branches = []
+        for u in inputs:
+            nodes = (nx.ancestors(flow, u) | {u}) & below_fork if u != fork else set()
+            branches.append(tuple(sorted(nodes, key=order.get)))
+        branches.sort(key=len)
+        residual = sorted({n for branch in branches[1:] for n in branch}, key=order.get)
+        found.append(
+            SkipConnection(
+                merge=merge,
+                fork=fork,
+                skip=branches[0],
+                residual=tuple(residual),
+                branches=tuple(branches),
+            )
+        )
+    return found
+
+
+def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
+    """Key facts about a converted graph, as plain data.
+
+    Returns
+    -------
+    dict
+        ``model``, ``nodes``, ``edges``, ``census`` (by op), ``targets``
+        (census of call targets), ``num_params``, ``depth`` (longest path, in
+        edges), ``skip_connections`` (count), ``identity_skips``,
+        ``largest_activation`` (node, shape and bytes of the biggest output).
+    """
+    skips = skip_connections(G)
+    largest = max(
+        ((d.get("nbytes") or 0, u, d.get("shape")) for u, _, d in G.edges(data=True)),
+        default=(0, None, None),
+    )
+    calls = [
+        data.get("module_type") or data.get("target")
+        for _, data in G.nodes(data=True)
+        if data.get("op") in ("call_module", "call_function", "call_method")
+    ]
+    return {
+        "model": G.graph.get("model"),
+        "nodes": G.number_of_nodes(),
+        "edges": G.number_of_edges(),
+        "census": census(G),
+        "targets": dict(Counter(calls).most_common()),
+        "num_params": G.graph.get("num_params"),
+        "depth": nx.dag_longest_path_length(G),
+        "skip_connections": len(skips),
+        "identity_skips": sum(s.identity for s in skips),
+        "largest_activation": {"node": largest[1], "shape": largest[2], "nbytes": largest[0]},
+    }
+
+
+def format_summary(info: dict[str, Any], top: int = 8) -> str:
+    """A terminal table of :func:`summary`'s result."""
+    shape = info["largest_activation"]["shape"]
+    rows = [
+        ("model", info["model"]),
+        ("nodes / edges", f"{info['nodes']} / {info['edges']}"),
+        ("parameters", f"{info['num_params']:,}" if info["num_params"] is not None else "?"),
+        ("depth (longest path)", info["depth"]),
+        (
+            "skip connections",
+            f"{info['skip_connections']} ({info['identity_skips']} identity, "
+            f"{info['skip_connections'] - info['identity_skips']} with a projection)",
+        ),
+        (
+            "largest activation",
+            f"{info['largest_activation']['node']} "
+            f"{'×'.join(map(str, shape)) if isinstance(shape, tuple) else shape} "
+            f"({info['largest_activation']['nbytes'] / 2**20:.2f} MiB)",
+        ),
+    ]
+    rows += [("nodes by op", "")] + [(f"  {op}", n) for op, n in info["census"].items()]
+    targets = list(info["targets"].items())
+    rows += [(f"most called (top {min(top, len(targets))})", "")]
+    rows += [(f"  {t.rsplit('.', 1)[-1]}", n) for t, n in targets[:top]]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,214 @@
+"""A node's call mapped onto the callee's signature, as plain data.
+
+``node_call_info`` answers "what was this call's ``dim``?" without knowing
+whether the user wrote ``torch.flatten(x, 1)`` or ``torch.flatten(x, start_dim=1)``:
+arguments are bound to the callee's parameter names with defaults filled in,
+constants become plain Python values and tensors the name of the node that
+produced them.
+
+Signatures come from ``inspect`` (modules' ``forward``, Python functions), from
+torch's own operator schemas (builtins such as ``torch.flatten``) and from the
+ATen schema of the same name for ``call_method`` nodes (``x.view``). When no
+signature fits, arguments keep their positions as keys (``"0"``, ``"1"``).
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.node import _get_qualified_name
+from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
+
+__all__ = ["bind_call", "qualified_name", "to_plain"]
+
+
+def bind_call(node: fx.Node, gm: fx.GraphModule) -> tuple[dict[str, Any], list[str | None]]:
+    """Bind ``node``'s arguments to its callee's signature.
+
+    Returns
+    -------
+    info : dict
+        Parameter name to plain value, defaults filled in.
+    names : list
+        The parameter name of each positional argument, None where unknown.
+
+    Examples
+    --------
+    >>> import torch, torch.fx as fx
+    >>> gm = fx.symbolic_trace(lambda x: torch.flatten(x, 1))
+    >>> node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    >>> bind_call(node, gm)
+    ({'input': 'x', 'start_dim': 1, 'end_dim': -1}, ['input', 'start_dim'])
+    """
+    if node.op == "placeholder":
+        return ({"default": to_plain(node.args[0])} if node.args else {}), []
+    if node.op in ("output", "get_attr"):
+        return {}, [None] * len(node.args)
+    args, kwargs = tuple(node.args), dict(node.kwargs)
+    for sig in _signatures(node, gm):
+        bound = _try_bind(sig, args, kwargs)
+        if bound is None and node.op == "call_method" and len(args) > 1:
+            # x.view(2, -1) against view(self, size: List[int]): pack the varargs.
+            bound = _try_bind(sig, (args[0], list(args[1:])), kwargs)
+        if bound is not None:
+            bound.apply_defaults()
+            info = {name: to_plain(value) for name, value in bound.arguments.items()}
+            return info, _positional_names(sig, len(args))
+    info = {str(i): to_plain(a) for i, a in enumerate(args)}
+    info.update((k, to_plain(v)) for k, v in kwargs.items())
+    return info, [None] * len(args)
+
+
+def _try_bind(sig: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+    try:
+        return sig.bind(*args, **kwargs)
+    except TypeError:
+        return None
+
+
+def _positional_names(sig: inspect.Signature, count: int) -> list[str | None]:
+    names: list[str | None] = []
+    for param in sig.parameters.values():
+        if param.kind is param.VAR_POSITIONAL:
+            names.extend(param.name for _ in range(count - len(names)))
+        elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            names.append(param.name)
+    return (names + [None] * count)[:count]
+
+
+def _signatures(node: fx.Node, gm: fx.GraphModule) -> Sequence[inspect.Signature]:
+    if node.op == "call_module":
+        return _module_signatures(type(gm.get_submodule(node.target)))  # type: ignore[arg-type]
+    if node.op == "call_method":
+        return _method_signatures(node.target)  # type: ignore[arg-type]
+    return _function_signatures(node.target)
+
+
+@lru_cache(maxsize=None)
+def _module_signatures(cls: type) -> tuple[inspect.Signature, ...]:
+    sig = inspect.signature(cls.forward)
+    params = list(sig.parameters.values())[1:]  # drop self
+    return (sig.replace(parameters=params),)
+
+
+@lru_cache(maxsize=None)
+def _method_signatures(name: str) -> tuple[inspect.Signature, ...]:
+    try:
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")
+    except RuntimeError:
+        return ()
+    sigs = []
+    for schema in schemas:
+        try:
+            sig = _torchscript_schema_to_signature(schema)
+        except Exception:  # a schema torch itself cannot express as a signature
+            continue
+        params = list(sig.parameters.values())
+        if params:
+            params[0] = params[0].replace(name="self")
+        sigs.append(sig.replace(parameters=params))
+    return tuple(sigs)
+
+
+def _function_signatures(target: Callable[..., Any]) -> tuple[inspect.Signature, ...]:
+    try:
+        return _cached_function_signatures(target)
+    except TypeError:  # unhashable callable
+        return _uncached_function_signatures(target)
+
+
+def _uncached_function_signatures(target: Callable[..., Any]) -> tuple[inspect.Signature, ...]:
+    try:
+        return (inspect.signature(target),)
+    except (TypeError, ValueError):
+        pass
+    try:
+        return tuple(get_signature_for_torch_op(target) or ())
+    except Exception:  # torch's schema lookup fails on some callables
+        return ()
+
+
+_cached_function_signatures = lru_cache(maxsize=None)(_uncached_function_signatures)
+
+
+def qualified_name(target: Any) -> str:
+    """The importable dotted name of a function or class, for example ``"operator.add"``.
+
+    Examples
+    --------
+    >>> import operator, torch
+    >>> qualified_name(operator.add), qualified_name(torch.flatten), qualified_name(torch.nn.Conv2d)
+    ('operator.add', 'torch.flatten', 'torch.nn.modules.conv.Conv2d')
+    >>> qualified_name(int)
+    'int'
+    """
+    if isinstance(target, str):
+        return target
+    if isinstance(target, type):
+        if target.__module__ == "builtins":
+            return target.__qualname__
+        return f"{target.__module__}.{target.__qualname__}"
+    try:
+        name = _get_qualified_name(target)
+    except Exception:  # not something fx knows how to name
+        module = getattr(target, "__module__", None) or "?"
+        name = f"{module}.{getattr(target, '__qualname__', type(target).__qualname__)}"
+    # The operator module's builtins live in _operator; users write operator.add.
+    return "operator." + name[len("_operator.") :] if name.startswith("_operator.") else name
+
+
+_PLAIN_SCALARS = (str, int, bool, type(None))
+
+
+def to_plain(value: Any) -> Any:
+    """``value`` as plain Python data: fx nodes become their names.
+
+    Examples
+    --------
+    >>> import torch
+    >>> to_plain({"dims": torch.Size([2, 3]), "dtype": torch.float16, "s": slice(None, 2)})
+    {'dims': (2, 3), 'dtype': 'torch.float16', 's': 'slice(None, 2, None)'}
+    """
+    if isinstance(value, fx.Node):
+        return value.name
+    if type(value) in _PLAIN_SCALARS:
+        return value
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    # Subclasses and look-alikes of the scalars (TorchVersion, numpy.int64) become builtins.
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, str):
+        return "".join(value)
+    if isinstance(value, numbers.Real):
+        return float(value) if math.isfinite(value) else str(value)
+    if isinstance(value, torch.Size):
+        return tuple(int(d) for d in value)
+    if isinstance(value, tuple):
+        return tuple(to_plain(v) for v in value)
+    if isinstance(value, list):
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, slice):
+        parts = ", ".join(str(to_plain(p)) for p in (value.start, value.stop, value.step))
+        return f"slice({parts})"
+    if value is Ellipsis:
+        return "..."
+    if isinstance(value, torch.dtype | torch.device | torch.memory_format | torch.layout):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    if callable(value):
+        return qualified_name(value)
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"

@@ -1,0 +1,234 @@
+"""A captured fx graph as a ``networkx.MultiDiGraph`` of plain Python data.
+
+Nothing here runs the model: it reads the fx graph and the metadata that
+:mod:`fxnx.tracing` recorded. See DESIGN.md, "The graph contract".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from ._version import FORMAT_VERSION, __version__
+from .callinfo import bind_call, qualified_name
+from .tracing import Capture, LeafSpec, capture
+
+__all__ = ["convert", "graph_from_capture"]
+
+def convert(
+    model: nn.Module | Callable[..., Any],
+    *example_inputs: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    leaf_modules: Iterable[LeafSpec] = (),
+    concrete_args: Mapping[str, Any] | None = None,
+) -> nx.MultiDiGraph:
+    """Convert a PyTorch model into a graph of its dataflow.
+
+    Parameters
+    ----------
+    model : nn.Module, fx.GraphModule or callable
+        The model. An already traced ``GraphModule`` is converted as it is.
+    *example_inputs : Any
+        Positional inputs of ``model.forward``. Without any, the graph has the
+        full structure and ``None`` for every shape and dtype.
+    kwargs : mapping, optional
+        Keyword inputs of ``model.forward``.
+    leaf_modules : iterable of module classes or qualified names, optional
+        Submodules to keep as single nodes instead of tracing through them.
+    concrete_args : mapping, optional
+        Inputs fixed to constants while tracing, as in ``torch.fx.symbolic_trace``.
+
+    Returns
+    -------
+    networkx.MultiDiGraph
+        One node per fx node keyed by its name; one edge per occurrence of an
+        input in a node's arguments. Attributes are plain Python data; see
+        DESIGN.md for the full list.
+
+    Raises
+    ------
+    FxnxTypeError, FxnxValueError, CaptureError, ShapePropagationError
+        See :func:`fxnx.tracing.capture`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> class Square(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x * x
+    >>> G = convert(Square(), torch.zeros(2, 3))
+    >>> list(G.edges(keys=True, data="arg"))
+    [('x', 'mul', 0, 0), ('x', 'mul', 1, 1), ('mul', 'output', 0, 0)]
+    >>> G.nodes["mul"]["target"], G.nodes["mul"]["out_shape"]
+    ('operator.mul', (2, 3))
+    """
+    cap = capture(
+        model,
+        example_inputs,
+        kwargs,
+        leaf_modules=leaf_modules,
+        concrete_args=concrete_args,
+    )
+    return graph_from_capture(cap)
+
+
+def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
+    """Build the graph from an already captured model (no execution).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fxnx.tracing import capture
+    >>> G = graph_from_capture(capture(torch.nn.ReLU()))
+    >>> sorted(G.nodes), G.nodes["relu"]["out_shape"] is None
+    (['input_1', 'output', 'relu'], True)
+    """
+    gm = cap.gm
+    G = nx.MultiDiGraph()
+    modules: dict[str, str] = {"": qualified_name(type(cap.model))}
+    for order, node in enumerate(gm.graph.nodes):
+        info, names = bind_call(node, gm)
+        meta = node.meta.get("tensor_meta")
+        out_shape, out_dtype, _ = _describe(meta)
+        stack = _module_stack(node, gm)
+        modules.update(stack)
+        G.add_node(
+            node.name,
+            op=node.op,
+            target=_target(node),
+            module_type=_module_type(node, gm),
+            scope=_scope(node, stack),
+            order=order,
+            out_shape=out_shape,
+            out_dtype=out_dtype,
+            out_type=qualified_name(node.meta["type"]) if "type" in node.meta else None,
+            num_params=_num_params(node, gm),
+            node_call_info=info,
+        )
+        for arg, source in _occurrences(node, names):
+            shape, dtype, nbytes = _describe(source.meta.get("tensor_meta"))
+            G.add_edge(source.name, node.name, arg=arg, shape=shape, dtype=dtype, nbytes=nbytes)
+
+    G.graph.update(
+        fxnx_version=__version__,
+        format_version=FORMAT_VERSION,
+        torch_version=str(torch.__version__),
+        model=modules[""],
+        capture=cap.method,
+        shape_source="ShapeProp" if cap.propagated else None,
+        inputs=[
+            {"name": node.target, "shape": G.nodes[node.name]["out_shape"],
+             "dtype": G.nodes[node.name]["out_dtype"]}
+            for node in gm.graph.nodes
+            if node.op == "placeholder"
+        ],
+        modules=modules,
+        num_params=sum(p.numel() for p in gm.parameters()),
+    )
+    return G
+
+
+def _occurrences(node: fx.Node, names: list[str | None]) -> Iterator[tuple[int | str, fx.Node]]:
+    """Each place an fx node appears in ``node``'s arguments, with a label for it.
+
+    Top-level positional arguments are labelled by position, keyword arguments
+    by name, and elements of containers by a path from the parameter's name,
+    such as ``"tensors[1]"`` for ``torch.cat([a, b])``.
+    """
+    for i, value in enumerate(node.args):
+        if isinstance(value, fx.Node):
+            yield i, value
+        else:
+            yield from _walk(value, names[i] if i < len(names) and names[i] else str(i))
+    for key, value in node.kwargs.items():
+        yield from _walk(value, key)
+
+
+def _walk(value: Any, label: str) -> Iterator[tuple[str, fx.Node]]:
+    if isinstance(value, fx.Node):
+        yield label, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _walk(item, f"{label}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _walk(item, f"{label}[{key!r}]")
+    elif isinstance(value, slice):
+        for part in ("start", "stop", "step"):
+            yield from _walk(getattr(value, part), f"{label}.{part}")
+
+
+def _describe(meta: Any) -> tuple[Any, Any, int | None]:
+    """(shape, dtype, nbytes) of a ShapeProp ``tensor_meta``, mirroring nested outputs."""
+    if isinstance(meta, TensorMetadata):
+        shape = tuple(int(d) for d in meta.shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        return shape, str(meta.dtype), numel * meta.dtype.itemsize
+    if isinstance(meta, (list, tuple)):
+        parts = [_describe(m) for m in meta]
+        known = [p[2] for p in parts if p[2] is not None]
+        return [p[0] for p in parts], [p[1] for p in parts], sum(known) if known else None
+    if isinstance(meta, dict):
+        parts_d = {str(k): _describe(m) for k, m in meta.items()}
+        known = [p[2] for p in parts_d.values() if p[2] is not None]
+        return (
+            {k: p[0] for k, p in parts_d.items()},
+            {k: p[1] for k, p in parts_d.items()},
+            sum(known) if known else None,
+        )
+    return None, None, None
+
+
+def _target(node: fx.Node) -> str:
+    if node.op in ("call_function",):
+        return qualified_name(node.target)
+    return str(node.target)
+
+
+def _module_type(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    if node.op != "call_module":
+        return None
+    return qualified_name(type(gm.get_submodule(node.target)))  # type: ignore[arg-type]
+
+
+def _module_stack(node: fx.Node, gm: fx.GraphModule) -> dict[str, str]:
+    """Module path to qualified class name, outermost first, as the tracer recorded it."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return {path: qualified_name(cls) for path, cls in stack.values()}
+    if node.op == "call_module":  # a graph built without the module stack
+        return {str(node.target): _module_type(node, gm) or ""}
+    return {}
+
+
+def _scope(node: fx.Node, stack: dict[str, str]) -> str:
+    """The path of the module whose ``forward`` made this call ("" for the model itself)."""
+    paths = list(stack)
+    if node.op == "call_module":
+        if paths and paths[-1] == node.target:
+            paths = paths[:-1]
+        elif not paths:
+            return str(node.target).rpartition(".")[0]
+    return paths[-1] if paths else ""
+
+
+def _num_params(node: fx.Node, gm: fx.GraphModule) -> int:
+    if node.op == "call_module":
+        return sum(p.numel() for p in gm.get_submodule(node.target).parameters())  # type: ignore[arg-type]
+    if node.op == "get_attr":
+        value = _get_attr(gm, str(node.target))
+        return value.numel() if isinstance(value, nn.Parameter) else 0
+    return 0
+
+
+def _get_attr(gm: fx.GraphModule, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name, None)

@@ -1,0 +1,63 @@
+"""Shared fixtures: torchvision models (no weights, built once per session) and checks."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torchvision
+
+#: The torchvision classifiers the contract is checked on, with readable test ids.
+TORCHVISION = ["resnet18", "resnet50", "densenet121", "mobilenet_v3_small", "vit_b_16"]
+
+
+@functools.lru_cache(maxsize=None)
+def _torchvision_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torchvision.models.get_model(name, weights=None).eval()
+
+
+@pytest.fixture
+def torchvision_model():
+    """Return a builder: name -> the (shared, eval-mode) torchvision model, no weights."""
+    return _torchvision_model
+
+
+PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+def assert_plain(value, where: str = "") -> None:
+    """Fail on anything in ``value`` that is not plain Python data (exact builtin types)."""
+    if type(value) in PLAIN_SCALARS:
+        if type(value) is float:
+            assert math.isfinite(value), f"non-finite float at {where}"
+        return
+    if type(value) in (tuple, list):
+        for i, item in enumerate(value):
+            assert_plain(item, f"{where}[{i}]")
+        return
+    if type(value) is dict:
+        for key, item in value.items():
+            assert type(key) in PLAIN_SCALARS, f"key {key!r} of type {type(key)} at {where}"
+            assert_plain(item, f"{where}[{key!r}]")
+        return
+    raise AssertionError(f"{type(value).__module__}.{type(value).__qualname__} at {where}: {value!r}")
+
+
+def assert_graph_plain(G) -> None:
+    assert_plain(G.graph, "G.graph")
+    for node, data in G.nodes(data=True):
+        assert type(node) is str, f"node key {node!r} is not a str"
+        assert_plain(data, f"node {node}")
+    for u, v, k, data in G.edges(keys=True, data=True):
+        assert type(k) is int
+        assert_plain(data, f"edge {u}->{v}#{k}")
+
+
+def assert_graphs_equal(G, H) -> None:
+    """Equal in nodes (and their order), edges, edge keys and every attribute."""
+    assert G.graph == H.graph
+    assert list(G.nodes(data=True)) == list(H.nodes(data=True))
+    assert list(G.edges(keys=True, data=True)) == list(H.edges(keys=True, data=True))

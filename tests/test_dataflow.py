@@ -1,0 +1,311 @@
+"""fxnx.convert against the oracles: the fx graph itself, ShapeProp, and forward hooks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.fx as fx
+from conftest import TORCHVISION, assert_graph_plain, assert_graphs_equal
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from zoo import CASES, NestedSkip, SkipBlock
+
+import fxnx
+
+
+def _convert_case(name: str):
+    case = CASES[name]
+    torch.manual_seed(0)
+    return fxnx.convert(case.build(), *case.inputs(), kwargs=case.kwargs()), case
+
+
+# --- the zoo: exact nodes and edges, written by hand ------------------------------------------
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_zoo_nodes_and_edges_are_exact(name):
+    G, case = _convert_case(name)
+    assert [(n, d["op"], d["target"]) for n, d in G.nodes(data=True)] == case.nodes
+    got = Counter((u, v, k, arg) for u, v, k, arg in G.edges(keys=True, data="arg"))
+    assert got == Counter(case.edges)
+    assert [d["order"] for _, d in G.nodes(data=True)] == list(range(len(case.nodes)))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_zoo_graphs_are_plain_data(name):
+    assert_graph_plain(_convert_case(name)[0])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_zoo_conversion_is_deterministic(name):
+    assert_graphs_equal(_convert_case(name)[0], _convert_case(name)[0])
+
+
+# --- oracle: an independent symbolic_trace + ShapeProp of the same model ----------------------
+
+
+def _shape_prop(model, *inputs):
+    gm = fx.symbolic_trace(model)
+    ShapeProp(gm).propagate(*inputs)
+    return gm
+
+
+def _occurrence_count(gm: fx.GraphModule) -> int:
+    """Occurrences of nodes in every node's args and kwargs, nested containers included."""
+    occurrences: list[fx.Node] = []
+    for node in gm.graph.nodes:
+        fx.node.map_arg((node.args, node.kwargs), occurrences.append)
+    return len(occurrences)
+
+
+def _meta_shape(meta):
+    if isinstance(meta, TensorMetadata):
+        return tuple(meta.shape), str(meta.dtype)
+    if isinstance(meta, (list, tuple)):
+        parts = [_meta_shape(m) for m in meta]
+        return [p[0] for p in parts], [p[1] for p in parts]
+    if isinstance(meta, dict):
+        parts_d = {k: _meta_shape(m) for k, m in meta.items()}
+        return {k: p[0] for k, p in parts_d.items()}, {k: p[1] for k, p in parts_d.items()}
+    return None, None
+
+
+def _check_against_shape_prop(G, gm):
+    nodes = list(gm.graph.nodes)
+    assert list(G.nodes) == [n.name for n in nodes]
+    assert Counter(d["op"] for _, d in G.nodes(data=True)) == Counter(n.op for n in nodes)
+    assert G.number_of_edges() == _occurrence_count(gm)
+    by_name = {n.name: n for n in nodes}
+    for u, v, data in G.edges(data=True):
+        shape, dtype = _meta_shape(by_name[u].meta.get("tensor_meta"))
+        assert data["shape"] == shape, (u, v)
+        assert data["dtype"] == dtype, (u, v)
+        assert by_name[u] in by_name[v].all_input_nodes
+    for n in nodes:
+        assert (G.nodes[n.name]["out_shape"], G.nodes[n.name]["out_dtype"]) == _meta_shape(
+            n.meta.get("tensor_meta")
+        )
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_zoo_matches_shape_prop(name):
+    G, case = _convert_case(name)
+    torch.manual_seed(0)
+    model = case.build()
+    inputs = case.inputs()
+    if case.kwargs():  # ShapeProp takes positional inputs only
+        inputs = inputs + tuple(case.kwargs().values()) + (2.0,)
+    _check_against_shape_prop(G, _shape_prop(model, *inputs))
+
+
+def _hook_shapes(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[int, ...]]:
+    """Output shape of every module called exactly once, recorded by forward hooks."""
+    seen: dict[str, list[tuple[int, ...]]] = {}
+    handles = [
+        module.register_forward_hook(
+            lambda m, args, out, path=path: seen.setdefault(path, []).append(tuple(out.shape))
+            if isinstance(out, torch.Tensor)
+            else None
+        )
+        for path, module in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {path: shapes[0] for path, shapes in seen.items() if len(shapes) == 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_torchvision_matches_fx_shape_prop_and_hooks(name, torchvision_model):
+    model = torchvision_model(name)
+    x = torch.randn(1, 3, 224, 224)
+    G = fxnx.convert(model, x)
+    _check_against_shape_prop(G, _shape_prop(model, x))
+    hooks = _hook_shapes(model, x)
+    checked = 0
+    for _, data in G.nodes(data=True):
+        if data["op"] == "call_module" and data["target"] in hooks:
+            assert data["out_shape"] == hooks[data["target"]], data["target"]
+            checked += 1
+    assert checked > 10
+    assert_graph_plain(G)
+    assert G.graph["num_params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_resnet18_census(torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 3, 224, 224))
+    assert fxnx.census(G) == {"call_module": 60, "call_function": 9, "output": 1, "placeholder": 1}
+    functions = Counter(d["target"] for _, d in G.nodes(data=True) if d["op"] == "call_function")
+    assert functions == {"operator.add": 8, "torch.flatten": 1}
+
+
+def test_resnet18_conversion_is_deterministic(torchvision_model):
+    model, x = torchvision_model("resnet18"), torch.randn(1, 3, 224, 224)
+    assert_graphs_equal(fxnx.convert(model, x), fxnx.convert(model, x))
+
+
+def test_resnet18_attributes(torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet18"), torch.randn(2, 3, 224, 224))
+    assert G.graph["model"] == "torchvision.models.resnet.ResNet"
+    assert G.graph["capture"] == "symbolic_trace"
+    assert G.graph["format_version"] == 1
+    assert G.graph["torch_version"] == torch.__version__
+    assert G.graph["inputs"] == [{"name": "x", "shape": (2, 3, 224, 224), "dtype": "torch.float32"}]
+    assert G.graph["modules"]["layer1.0"] == "torchvision.models.resnet.BasicBlock"
+    conv = G.nodes["layer1_0_conv1"]
+    assert conv["module_type"] == "torch.nn.modules.conv.Conv2d"
+    assert conv["scope"] == "layer1.0"
+    assert conv["num_params"] == 64 * 64 * 3 * 3
+    assert conv["node_call_info"] == {"input": "maxpool"}
+    assert G.nodes["add"]["scope"] == "layer1.0"
+    assert G.nodes["fc"]["scope"] == ""
+    assert G.nodes["flatten"]["node_call_info"] == {
+        "input": "avgpool",
+        "start_dim": 1,
+        "end_dim": -1,
+    }
+    (edge,) = G.get_edge_data("layer1_0_bn2", "add").values()
+    assert edge == {"arg": 0, "shape": (2, 64, 56, 56), "dtype": "torch.float32",
+                    "nbytes": 2 * 64 * 56 * 56 * 4}
+
+
+# --- node_call_info ---------------------------------------------------------------------------
+
+
+def test_call_info_maps_arguments_to_signature_names_with_defaults():
+    G, _ = _convert_case("self_attention")
+    info = G.nodes["mha"]["node_call_info"]
+    assert (info["query"], info["key"], info["value"]) == ("x", "x", "x")
+    assert info["need_weights"] is False
+    assert info["key_padding_mask"] is None and info["average_attn_weights"] is True
+    G, _ = _convert_case("cat_chunk")
+    assert G.nodes["cat"]["node_call_info"] == {"tensors": ["getitem_1", "getitem"], "dim": 1}
+    assert G.nodes["chunk"]["node_call_info"] == {"self": "x", "chunks": 2, "dim": 1}
+    assert G.nodes["getitem_1"]["node_call_info"] == {"a": "chunk", "b": 1}
+    G, _ = _convert_case("functional_and_methods")
+    assert G.nodes["view"]["node_call_info"] == {"self": "relu", "size": ["size", -1]}
+    assert G.nodes["size"]["node_call_info"] == {"self": "relu", "dim": 0}
+    assert G.nodes["relu"]["node_call_info"] == {"input": "x", "inplace": False}
+
+
+def test_non_tensor_nodes_have_no_shape_but_a_type():
+    G, _ = _convert_case("functional_and_methods")
+    assert G.nodes["size"]["out_shape"] is None and G.nodes["size"]["out_type"] == "int"
+    assert G.nodes["dim"]["out_type"] == "int"
+    assert G.nodes["view"]["out_shape"] == (2, 12)
+    assert G.nodes["output"]["out_shape"] == [(2, 12), None]
+    (edge,) = G.get_edge_data("size", "view").values()
+    assert edge["shape"] is None and edge["dtype"] is None and edge["nbytes"] is None
+
+
+def test_multi_output_nodes_list_their_shapes():
+    G, _ = _convert_case("cat_chunk")
+    assert G.nodes["chunk"]["out_shape"] == [(2, 2), (2, 2)]
+    assert G.nodes["chunk"]["out_dtype"] == ["torch.float32", "torch.float32"]
+    G, _ = _convert_case("dict_output")
+    assert G.nodes["output"]["out_shape"] == {"act": (2, 4), "raw": (2, 4)}
+
+
+def test_get_attr_parameter_counts_its_elements():
+    G, _ = _convert_case("get_attr_param")
+    assert G.nodes["w"]["num_params"] == 12
+    assert G.nodes["w"]["out_shape"] == (4, 3)
+    assert G.graph["num_params"] == 12
+
+
+def test_edge_bytes_follow_the_dtype():
+    model = nn.Linear(3, 5).double()
+    G = fxnx.convert(model, torch.zeros(7, 3, dtype=torch.float64))
+    (edge,) = G.get_edge_data("linear", "output").values()
+    assert edge["dtype"] == "torch.float64"
+    assert edge["nbytes"] == 7 * 5 * 8
+
+
+def test_keyword_inputs_are_bound_to_their_placeholders():
+    G, _ = _convert_case("multi_input_kwargs")
+    assert G.graph["inputs"] == [
+        {"name": "x", "shape": (2, 4), "dtype": "torch.float32"},
+        {"name": "y", "shape": (2, 4), "dtype": "torch.float32"},
+        {"name": "scale", "shape": None, "dtype": None},
+    ]
+    assert G.nodes["scale"]["out_type"] == "float"
+    assert G.nodes["scale"]["node_call_info"] == {"default": 2.0}
+
+
+# --- without example inputs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["skip_block", "cat_chunk", "self_attention"])
+def test_no_example_input_gives_full_structure_without_shapes(name):
+    G, case = _convert_case(name)
+    H = fxnx.convert(case.build())
+    assert list(H.nodes) == list(G.nodes)
+    assert sorted(H.edges(keys=True, data="arg"), key=str) == sorted(
+        G.edges(keys=True, data="arg"), key=str
+    )
+    assert all(d["shape"] is None and d["dtype"] is None for *_, d in H.edges(data=True))
+    assert all(d["out_shape"] is None for _, d in H.nodes(data=True))
+    assert H.graph["shape_source"] is None
+    assert_graph_plain(H)
+
+
+def test_no_example_input_on_resnet18(torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet18"))
+    assert fxnx.census(G)["call_module"] == 60
+    assert G.graph["inputs"] == [{"name": "x", "shape": None, "dtype": None}]
+
+
+# --- torch.fx options -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [SkipBlock, "inner"], ids=["by_type", "by_name"])
+def test_leaf_modules_keep_a_submodule_whole(spec):
+    G = fxnx.convert(NestedSkip(), torch.randn(2, 4), leaf_modules=[spec])
+    assert [n for n in G] == ["x", "inner", "proj", "add", "output"]
+    assert G.nodes["inner"]["module_type"] == "zoo.SkipBlock"
+    assert G.nodes["inner"]["num_params"] == 20
+    assert G.nodes["inner"]["out_shape"] == (2, 4)
+
+
+def test_concrete_args_fix_a_branch():
+    class Gated(nn.Module):
+        def forward(self, x, use_relu: bool = True):
+            return torch.relu(x) if use_relu else torch.sigmoid(x)
+
+    G = fxnx.convert(Gated(), torch.randn(3), concrete_args={"use_relu": False})
+    targets = {d["target"] for _, d in G.nodes(data=True)}
+    assert "torch.sigmoid" in targets and "torch.relu" not in targets
+    assert G.nodes["sigmoid"]["out_shape"] == (3,)
+
+
+def test_graph_module_is_converted_as_is_and_left_untouched():
+    gm = fx.symbolic_trace(CASES["skip_block"].build())
+    metas_before = [dict(n.meta) for n in gm.graph.nodes]
+    G = fxnx.convert(gm, torch.randn(2, 4))
+    assert G.graph["capture"] == "graph_module"
+    assert [n for n in G] == [n.name for n in gm.graph.nodes]
+    assert G.nodes["add"]["out_shape"] == (2, 4)
+    assert [dict(n.meta) for n in gm.graph.nodes] == metas_before
+
+
+def test_plain_function_converts():
+    def f(x, y):
+        return torch.sigmoid(x) * y
+
+    G = fxnx.convert(f, torch.randn(2), torch.randn(2))
+    assert G.graph["model"].endswith("function")
+    assert [n for n in G] == ["x", "y", "sigmoid", "mul", "output"]
+    assert G.graph["num_params"] == 0
+
+
+def test_float64_model_records_float64():
+    G = fxnx.convert(nn.Sequential(nn.Linear(2, 3)).double(), torch.zeros(1, 2, dtype=torch.float64))
+    assert {d["dtype"] for *_, d in G.edges(data=True)} == {"torch.float64"}
+    assert G.nodes["_0"]["out_shape"] == (1, 3)
+    assert G.graph["inputs"][0]["dtype"] == "torch.float64"
