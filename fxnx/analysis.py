@@ -178,10 +178,11 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
         ``largest_activation`` (node, shape and bytes of the biggest output).
     """
     skips = skip_connections(G)
-    largest = max(
-        ((d.get("nbytes") or 0, u, d.get("shape")) for u, _, d in G.edges(data=True)),
-        default=(0, None, None),
-    )
+    largest = {"node": None, "shape": None, "nbytes": 0}
+    for node in topological_order(G):  # the first of equal size wins
+        for _, _, data in G.out_edges(node, data=True):
+            if (data.get("nbytes") or 0) > largest["nbytes"]:
+                largest = {"node": node, "shape": data["shape"], "nbytes": data["nbytes"]}
     calls = [
         data.get("module_type") or data.get("target")
         for _, data in G.nodes(data=True)
@@ -197,7 +198,7 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
         "depth": nx.dag_longest_path_length(G),
         "skip_connections": len(skips),
         "identity_skips": sum(s.identity for s in skips),
-        "largest_activation": {"node": largest[1], "shape": largest[2], "nbytes": largest[0]},
+        "largest_activation": largest,
     }
 
 

@@ -115,12 +115,11 @@ def capture(
         raise FxnxTypeError(
             f"model must be a torch.nn.Module or a callable, got {type(model).__qualname__}.{hint}"
         )
+    inputs = _bind_inputs(model, args, kwargs, concrete_args or {})
     if isinstance(model, fx.GraphModule):
         gm, method = _copy_graph_module(model), "graph_module"
     else:
         gm, method = _trace(model, leaf_modules, dict(concrete_args or {})), "symbolic_trace"
-
-    inputs = _bind_inputs(model, args, kwargs, concrete_args or {})
     if inputs is not None:
         _propagate(gm, model, inputs)
     return Capture(gm=gm, model=model, method=method, propagated=inputs is not None)
@@ -282,6 +281,10 @@ def _qualname(model: Any) -> str:
 
 class _ShapeProp(ShapeProp):
     """ShapeProp whose failures name the node, its target and the shapes it received."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.extra_traceback = False  # our message already names the node
 
     def run_node(self, n: fx.Node) -> Any:
         try:

@@ -1,0 +1,141 @@
+"""Skip connections and summaries, against facts about each architecture."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+from torch import nn
+from zoo import CASES
+
+import fxnx
+
+
+def _zoo(name):
+    case = CASES[name]
+    return fxnx.convert(case.build(), *case.inputs(), kwargs=case.kwargs())
+
+
+def test_resnet18_has_8_skips_3_with_downsample(torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 3, 64, 64))
+    skips = fxnx.skip_connections(G)
+    assert [s.merge for s in skips] == ["add"] + [f"add_{i}" for i in range(1, 8)]
+    projections = [s for s in skips if not s.identity]
+    assert [s.skip for s in projections] == [
+        (f"layer{i}_0_downsample_0", f"layer{i}_0_downsample_1") for i in (2, 3, 4)
+    ]
+    first = skips[0]
+    assert (first.fork, first.skip) == ("maxpool", ())
+    assert first.residual == (
+        "layer1_0_conv1", "layer1_0_bn1", "layer1_0_relu", "layer1_0_conv2", "layer1_0_bn2",
+    )
+
+
+def test_resnet50_has_16_skips(torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet50"), torch.randn(1, 3, 64, 64))
+    skips = fxnx.skip_connections(G)
+    assert len(skips) == 16
+    assert sum(not s.identity for s in skips) == 4  # the first bottleneck of each stage
+    assert all(len(s.residual) == 8 for s in skips)  # conv-bn-relu ×2, conv-bn
+
+
+@pytest.mark.slow
+def test_mobilenet_v3_small_finds_its_six_inverted_residuals(torchvision_model):
+    # Blocks whose input and output channels match at stride 1: 24→24, 40→40 ×2, 48→48, 96→96 ×2.
+    G = fxnx.convert(torchvision_model("mobilenet_v3_small"), torch.randn(1, 3, 64, 64))
+    skips = fxnx.skip_connections(G)
+    assert len(skips) == 6
+    assert all(s.identity for s in skips)
+    # torchvision writes `result += input`; an fx Proxy has no __iadd__, so it records an add.
+    assert {G.nodes[s.merge]["target"] for s in skips} == {"operator.add"}
+
+
+@pytest.mark.slow
+def test_densenet121_concatenations_are_merges(torchvision_model):
+    # Blocks of 6, 12, 24, 16 layers: layer k>1 concatenates k inputs, each block ends in one
+    # more cat; the first layer's cat of a single tensor is no merge. 5 + 11 + 23 + 15 + 4 = 58.
+    G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 64, 64))
+    skips = fxnx.skip_connections(G)
+    assert len(skips) == 58
+    assert {G.nodes[s.merge]["target"] for s in skips} == {"torch.cat"}
+
+
+@pytest.mark.slow
+def test_vit_has_two_residuals_per_layer_and_no_skip_at_the_embedding(torchvision_model):
+    G = fxnx.convert(torchvision_model("vit_b_16"), torch.randn(1, 3, 224, 224))
+    skips = fxnx.skip_connections(G)
+    assert len(skips) == 24
+    assert all(G.nodes[s.merge]["scope"].startswith("encoder.layers.") for s in skips)
+
+
+def test_plain_vgg_has_none():
+    import torchvision
+
+    G = fxnx.convert(torchvision.models.vgg11(weights=None), torch.randn(1, 3, 32, 32))
+    assert fxnx.skip_connections(G) == []
+
+
+def test_nested_skips_are_both_found():
+    inner, outer = fxnx.skip_connections(_zoo("nested_skip"))
+    assert (inner.fork, inner.merge, inner.skip, inner.residual) == (
+        "x", "add", (), ("inner_lin", "relu"),
+    )
+    assert (outer.fork, outer.merge, outer.skip, outer.residual) == (
+        "x", "add_1", (), ("inner_lin", "relu", "add", "proj"),
+    )
+
+
+@pytest.mark.parametrize("name", ["add_self", "mul_self", "get_attr_param", "cat_chunk"])
+def test_no_skip_where_nothing_forks_and_rejoins_through_an_add(name):
+    # x + x adds one tensor to itself; cat_chunk's cat rejoins chunk's halves (a fork at chunk).
+    skips = fxnx.skip_connections(_zoo(name))
+    if name == "cat_chunk":
+        assert [(s.fork, s.merge) for s in skips] == [("chunk", "cat")]
+    else:
+        assert skips == []
+
+
+def test_adding_a_parameter_is_not_a_skip():
+    class PosEmbed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.zeros(4))
+
+        def forward(self, x):
+            return x.relu() + self.pos
+
+    assert fxnx.skip_connections(fxnx.convert(PosEmbed(), torch.randn(2, 4))) == []
+
+
+def test_skip_connections_without_shapes_match_with_shapes(torchvision_model):
+    model = torchvision_model("resnet18")
+    with_shapes = fxnx.skip_connections(fxnx.convert(model, torch.randn(1, 3, 64, 64)))
+    assert fxnx.skip_connections(fxnx.convert(model)) == with_shapes
+
+
+def test_summary_of_skip_block():
+    info = fxnx.summary(_zoo("skip_block"))
+    assert info["nodes"] == 5 and info["edges"] == 5
+    assert info["depth"] == 4  # x → lin → relu → add → output
+    assert info["num_params"] == 20
+    assert info["skip_connections"] == 1 and info["identity_skips"] == 1
+    assert info["census"] == {"call_function": 2, "call_module": 1, "output": 1, "placeholder": 1}
+
+
+def test_summary_of_resnet18(torchvision_model):
+    model = torchvision_model("resnet18")
+    info = fxnx.summary(fxnx.convert(model, torch.randn(1, 3, 224, 224)))
+    assert info["num_params"] == sum(p.numel() for p in model.parameters())
+    assert info["largest_activation"] == {
+        "node": "conv1", "shape": (1, 64, 112, 112), "nbytes": 64 * 112 * 112 * 4,
+    }
+    assert info["targets"]["torch.nn.modules.conv.Conv2d"] == 20
+    text = fxnx.format_summary(info)
+    assert "skip connections      8 (5 identity, 3 with a projection)" in text
+    assert "11,689,512" in text
+
+
+def test_topological_order_breaks_ties_by_fx_order():
+    G = nx.MultiDiGraph([("x", "b"), ("x", "a")])
+    nx.set_node_attributes(G, {"x": 0, "b": 1, "a": 2}, "order")
+    assert fxnx.topological_order(G) == ["x", "b", "a"]

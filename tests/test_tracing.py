@@ -1,0 +1,143 @@
+"""Capture: clear errors on bad input, and no trace left on the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxnx
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # the line the error must name
+            return self.lin(x)
+        return x
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.mean() > 0:
+            return x
+        return -x
+
+
+class HasGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.gate(self.lin(x))
+
+
+@pytest.mark.parametrize("bad", [42, "resnet18", None, [nn.Linear(2, 2)]])
+def test_not_a_model_is_a_type_error_naming_what_was_received(bad):
+    with pytest.raises(TypeError, match=f"torch.nn.Module or a callable, got {type(bad).__name__}"):
+        fxnx.convert(bad)
+
+
+def test_a_model_name_string_gets_a_hint():
+    with pytest.raises(fxnx.FxnxTypeError, match=r"get_model\('resnet18', weights=None\)"):
+        fxnx.convert("resnet18")
+
+
+def test_wrong_input_shape_names_node_target_and_shapes():
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(3, 2))
+    with pytest.raises(fxnx.ShapePropagationError) as info:
+        fxnx.convert(model, torch.randn(5, 8))
+    message = str(info.value)
+    assert "fx node '_2'" in message
+    assert "call_module 2 (Linear)" in message
+    assert "(5, 4) torch.float32" in message
+    assert "mat1 and mat2 shapes cannot be multiplied" in message
+    assert "tlparse" not in message and "While executing" not in message
+    assert isinstance(info.value, ValueError)
+    assert info.value.__cause__ is not None
+
+
+def test_wrong_input_shape_on_resnet18(torchvision_model):
+    with pytest.raises(fxnx.ShapePropagationError, match=r"(?s)fx node 'conv1' .*\(1, 1, 64, 64\)"):
+        fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 1, 64, 64))
+
+
+def test_data_dependent_control_flow_names_the_line_and_what_to_do():
+    with pytest.raises(fxnx.CaptureError) as info:
+        fxnx.convert(DataDependent(), torch.randn(2, 4))
+    message = str(info.value)
+    assert "test_tracing.py" in message
+    assert "if x.sum() > 0:" in message
+    assert "concrete_args" in message
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_control_flow_in_a_submodule_suggests_that_leaf():
+    with pytest.raises(fxnx.CaptureError, match=r"(?s)if x.mean\(\) > 0.*leaf_modules=\['gate'\]"):
+        fxnx.convert(HasGate(), torch.randn(2, 4))
+
+
+def test_the_suggested_leaf_module_works():
+    G = fxnx.convert(HasGate(), torch.randn(2, 4), leaf_modules=["gate"])
+    assert G.nodes["gate"]["op"] == "call_module"
+    assert G.nodes["gate"]["out_shape"] == (2, 4)
+
+
+def test_inputs_that_do_not_fit_forward_are_a_type_error():
+    with pytest.raises(fxnx.FxnxTypeError, match=r"ReLU.forward\(input: torch.Tensor\).*too many positional"):
+        fxnx.convert(nn.ReLU(), torch.randn(2), torch.randn(2))
+    with pytest.raises(fxnx.FxnxTypeError, match="missing 'y'"):
+        fxnx.convert(lambda x, y: x + y, torch.randn(2))
+
+
+def test_unknown_leaf_module_name_suggests_real_ones():
+    with pytest.raises(fxnx.FxnxValueError, match=r"'lin2'.*did you mean one of \['lin'\]"):
+        fxnx.convert(HasGate(), torch.randn(2, 4), leaf_modules=["lin2"])
+    with pytest.raises(fxnx.FxnxTypeError, match="leaf_modules entries"):
+        fxnx.convert(HasGate(), torch.randn(2, 4), leaf_modules=[3])
+
+
+def _state(model: nn.Module):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_train_mode_conversion_leaves_batchnorm_stats_and_rng_alone():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5), nn.ReLU()).train()
+    before = _state(model)
+    torch.manual_seed(123)
+    rng_before = torch.get_rng_state()
+    x = torch.randn(2, 3, 8, 8)
+    rng_mid = torch.get_rng_state()
+    G = fxnx.convert(model, x)
+    assert torch.equal(torch.get_rng_state(), rng_mid)
+    assert not torch.equal(rng_before, rng_mid)  # the check above could fail
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    assert model.training and all(m.training for m in model.modules())
+    assert G.nodes["_1"]["out_shape"] == (2, 4, 6, 6)
+
+
+def test_running_the_model_really_would_change_the_stats():
+    """Guard for the test above: without fxnx's care, a train-mode forward moves them."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    before = _state(model)
+    model(torch.randn(2, 3, 8, 8))
+    assert not torch.equal(before["1.running_mean"], model.state_dict()["1.running_mean"])
+
+
+def test_example_input_is_not_modified_by_inplace_ops():
+    model = nn.Sequential(nn.ReLU(inplace=True))
+    x = torch.randn(3, 4)
+    x_before = x.clone()
+    fxnx.convert(model, x)
+    # ShapeProp runs the real model, so the in-place ReLU does write into x: same as model(x).
+    expected = x_before.clone()
+    model(expected)
+    assert torch.equal(x, expected)
