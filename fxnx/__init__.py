@@ -38,14 +38,14 @@ if TYPE_CHECKING:
     from .tracing import Capture, capture
 
 __all__ = [
-    "FORMAT_VERSION",
-    "MERGE_TARGETS",
     "Capture",
     "CaptureError",
+    "FORMAT_VERSION",
     "FxnxError",
     "FxnxTypeError",
     "FxnxValueError",
     "GraphFileError",
+    "MERGE_TARGETS",
     "ShapePropagationError",
     "SkipConnection",
     "UnsafePickleError",

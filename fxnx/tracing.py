@@ -2,8 +2,8 @@
 
 This is the only module that runs the model. It traces with ``torch.fx``
 (custom leaf modules and ``concrete_args`` as torch.fx users know them), then
-propagates the example inputs with :class:`torch.fx.passes.shape_prop.ShapeProp`
-so that every node carries ``meta["tensor_meta"]``. Failures become
+propagates the example inputs as :class:`torch.fx.passes.shape_prop.ShapeProp`
+does, so that every node carries ``meta["tensor_meta"]`` and ``meta["type"]``. Failures become
 :class:`~fxnx.errors.CaptureError` or :class:`~fxnx.errors.ShapePropagationError`
 with the source line or node that caused them.
 """
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._pytree import tree_map
 
 from .errors import CaptureError, FxnxTypeError, FxnxValueError, ShapePropagationError
@@ -279,8 +280,12 @@ def _qualname(model: Any) -> str:
     return type(model).__qualname__ if isinstance(model, nn.Module) else model.__qualname__
 
 
-class _ShapeProp(ShapeProp):
-    """ShapeProp whose failures name the node, its target and the shapes it received."""
+class _ShapeProp(fx.Interpreter):
+    """torch.fx's ShapeProp, recording the same ``tensor_meta`` and ``type`` metadata.
+
+    Unlike ShapeProp it prints nothing on failure: it raises one error that names
+    the node, its target and the shapes the node received.
+    """
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
@@ -288,19 +293,31 @@ class _ShapeProp(ShapeProp):
 
     def run_node(self, n: fx.Node) -> Any:
         try:
-            return super().run_node(n)
+            result = super().run_node(n)
         except Exception as err:
-            cause = err.__cause__ or err
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             got = tree_map(_describe_value, (args, kwargs))
             raise ShapePropagationError(
                 f"shape propagation failed at fx node {n.name!r} ({n.op} {_target_str(n)}): "
-                f"{type(cause).__name__}: {cause}\n"
+                f"{type(err).__name__}: {err}\n"
                 f"  node: {n.format_node()}\n"
                 f"  input shapes: args={got[0]} kwargs={got[1]}\n"
                 "What to do: check the example inputs' shapes and dtypes against what the "
                 "model expects."
             ) from err
+        tensors = []
+
+        def extract(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                tensors.append(obj)
+                return _extract_tensor_metadata(obj)
+            return obj
+
+        meta = map_aggregate(result, extract)
+        if tensors:
+            n.meta["tensor_meta"] = meta
+        n.meta["type"] = type(result)
+        return result
 
 
 def _target_str(node: fx.Node) -> str:
@@ -319,7 +336,7 @@ def _describe_value(value: Any) -> Any:
 def _propagate(gm: fx.GraphModule, model: Any, inputs: list[Any]) -> None:
     """Run ShapeProp without leaving a trace on the model, its buffers or the RNG."""
     with _preserved(model), torch.no_grad():
-        _ShapeProp(gm).propagate(*inputs)
+        _ShapeProp(gm).run(*inputs)
 
 
 @contextlib.contextmanager

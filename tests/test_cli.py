@@ -1,0 +1,95 @@
+"""The fxnx command, called as a function and once as a real process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from blocktorch import run_without_torch
+
+import fxnx
+from fxnx.cli import main
+
+
+def test_convert_writes_the_graph_and_prints_the_summary(tmp_path, capsys):
+    out = tmp_path / "sub" / "r18.pkl"
+    assert main(["convert", "resnet18", "--input-shape", "1,3,64,64", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "skip connections      8 (5 identity, 3 with a projection)" in text
+    assert "11,689,512" in text
+    assert "call_module         60" in text
+    G = fxnx.read_pickle(out)
+    assert G.graph["inputs"][0]["shape"] == (1, 3, 64, 64)
+
+
+def test_info_prints_the_summary_of_a_file(tmp_path, capsys):
+    out = tmp_path / "r18.pkl"
+    main(["convert", "resnet18", "--input-shape", "1,3,32,32", "-o", str(out)])
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    assert "torchvision.models.resnet.ResNet" in capsys.readouterr().out
+
+
+def test_convert_without_shape_and_with_float64(capsys):
+    assert main(["convert", "resnet18"]) == 0
+    assert main(["convert", "resnet18", "--input-shape", "1,3,32,32", "--dtype", "float64"]) == 0
+
+
+def test_own_model_by_factory(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\ndef tiny():\n    return torch.nn.Sequential(torch.nn.Linear(3, 2))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["convert", "mymodels:tiny", "--input-shape", "4,3"]) == 0
+    assert "parameters            8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["convert", "resnet181"], "unknown model 'resnet181'.*did you mean resnet18"),
+        (["convert", "nosuchpkg:make"], "cannot load model 'nosuchpkg:make'"),
+        (["convert", "resnet18", "--input-shape", "1,3,64,64", "--dtype", "floaty"],
+         "--dtype 'floaty' is not a torch dtype"),
+        (["convert", "resnet18", "--input-shape", "1,1,64,64"], "fx node 'conv1'"),
+        (["info", "missing.pkl"], "No such file"),
+    ],
+)
+def test_bad_arguments_give_one_error_and_exit_1(argv, message, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"fxnx {argv[0]}: error: ")
+    assert "Traceback" not in err
+    import re
+
+    assert re.search(message, err)
+
+
+@pytest.mark.parametrize("shape", ["1,x", "1,-3", ""])
+def test_malformed_shape_is_a_usage_error(shape, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["convert", "resnet18", "--input-shape", shape])
+    assert info.value.code == 2
+    assert "--input-shape" in capsys.readouterr().err
+
+
+def test_help_on_every_command(capsys):
+    for argv in (["--help"], ["convert", "--help"], ["info", "--help"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 0
+    assert "torchvision model name" in capsys.readouterr().out
+
+
+def test_real_process_convert_then_info_without_torch(tmp_path):
+    out = tmp_path / "r18.pkl"
+    done = subprocess.run(
+        [sys.executable, "-m", "fxnx", "convert", "resnet18", "--input-shape", "1,3,32,32",
+         "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    info = run_without_torch("from fxnx.cli import main; raise SystemExit(main())", "info", str(out))
+    assert info.returncode == 0, info.stderr
+    assert "skip connections      8" in info.stdout
