@@ -1,0 +1,74 @@
+"""Benchmarks: fxnx against a baseline measured in the same run, reported as ratios.
+
+    python scripts/bench.py                 # every benchmark
+    python scripts/bench.py convert --runs 9
+
+Each benchmark interleaves the candidate and its baseline run by run, so the
+machine's drift hits both alike, and reports the ratio of the medians.
+Absolute times are printed for context only: on shared machines they mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+import torchvision
+from torch.fx.passes.shape_prop import ShapeProp
+
+import fxnx
+
+
+def _interleaved(
+    candidate: Callable[[], object], baseline: Callable[[], object], runs: int
+) -> tuple[float, float]:
+    """Median seconds of each, alternating which goes first; one warm-up run of each."""
+    candidate(), baseline()
+    times_c, times_b = [], []
+    for i in range(runs):
+        pair = [(candidate, times_c), (baseline, times_b)]
+        for fn, out in pair if i % 2 == 0 else pair[::-1]:
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times_c), statistics.median(times_b)
+
+
+def bench_convert(runs: int) -> None:
+    """fxnx.convert(resnet50, x) against bare symbolic_trace + ShapeProp. Target ≤ 1.3×."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(weights=None).eval()
+    x = torch.randn(1, 3, 224, 224)
+
+    def baseline() -> None:
+        gm = fx.symbolic_trace(model)
+        ShapeProp(gm).propagate(x)
+
+    ours, base = _interleaved(lambda: fxnx.convert(model, x), baseline, runs)
+    print(
+        f"convert(resnet50, 1x3x224x224): {ours / base:.2f}x of symbolic_trace + ShapeProp "
+        f"(median of {runs}: {ours * 1e3:.0f} ms vs {base * 1e3:.0f} ms; target <= 1.3x)"
+    )
+
+
+BENCHMARKS = {"convert": bench_convert}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help=f"any of {', '.join(BENCHMARKS)} (default: all)")
+    parser.add_argument("--runs", type=int, default=7, help="timed runs of each side (default 7)")
+    args = parser.parse_args()
+    unknown = sorted(set(args.names) - set(BENCHMARKS))
+    if unknown:
+        parser.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    for name in args.names or BENCHMARKS:
+        BENCHMARKS[name](args.runs)
+
+
+if __name__ == "__main__":
+    main()
