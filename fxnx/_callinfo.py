@@ -19,7 +19,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -92,14 +92,14 @@ def _signatures(node: fx.Node, gm: fx.GraphModule) -> Sequence[inspect.Signature
     return _function_signatures(node.target)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module_signatures(cls: type) -> tuple[inspect.Signature, ...]:
     sig = inspect.signature(cls.forward)
     params = list(sig.parameters.values())[1:]  # drop self
     return (sig.replace(parameters=params),)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _method_signatures(name: str) -> tuple[inspect.Signature, ...]:
     try:
         schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")

@@ -15,8 +15,8 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from ._version import FORMAT_VERSION, __version__
 from ._callinfo import bind_call, qualified_name
+from ._version import FORMAT_VERSION, __version__
 from .tracing import Capture, LeafSpec, capture
 
 __all__ = ["convert", "graph_from_capture"]

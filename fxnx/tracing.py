@@ -349,5 +349,5 @@ def _preserved(model: Any) -> Iterator[None]:
             yield
         finally:
             with torch.no_grad():
-                for (_, buf), old in zip(buffers, saved):
+                for (_, buf), old in zip(buffers, saved, strict=True):
                     buf.copy_(old)

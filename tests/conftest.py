@@ -13,7 +13,7 @@ import torchvision
 TORCHVISION = ["resnet18", "resnet50", "densenet121", "mobilenet_v3_small", "vit_b_16"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torchvision_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return torchvision.models.get_model(name, weights=None).eval()

@@ -6,9 +6,10 @@ import networkx as nx
 import pytest
 import torch
 from torch import nn
-from zoo import CASES
 
 import fxnx
+
+from zoo import CASES
 
 
 def _zoo(name):

@@ -6,9 +6,10 @@ import importlib
 import pkgutil
 
 import pytest
-from blocktorch import run_without_torch
 
 import fxnx
+
+from blocktorch import run_without_torch
 
 MODULES = sorted(m.name for m in pkgutil.iter_modules(fxnx.__path__) if not m.name.startswith("_"))
 

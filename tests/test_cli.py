@@ -6,10 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from blocktorch import run_without_torch
 
 import fxnx
 from fxnx.cli import main
+
+from blocktorch import run_without_torch
 
 
 def test_convert_writes_the_graph_and_prints_the_summary(tmp_path, capsys):

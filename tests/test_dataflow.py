@@ -7,12 +7,13 @@ from collections import Counter
 import pytest
 import torch
 import torch.fx as fx
-from conftest import TORCHVISION, assert_graph_plain, assert_graphs_equal
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
-from zoo import CASES, NestedSkip, SkipBlock
 
 import fxnx
+
+from conftest import TORCHVISION, assert_graph_plain, assert_graphs_equal
+from zoo import CASES, NestedSkip, SkipBlock
 
 
 def _convert_case(name: str):

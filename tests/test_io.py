@@ -8,11 +8,12 @@ import pickle
 import networkx as nx
 import pytest
 import torch
+
+import fxnx
+
 from blocktorch import run_without_torch
 from conftest import assert_graphs_equal
 from zoo import CASES
-
-import fxnx
 
 
 @pytest.mark.parametrize("name", CASES)
