@@ -34,18 +34,38 @@ from .errors import (
 from .io import GraphFileError, UnsafePickleError, read_pickle, write_pickle
 
 if TYPE_CHECKING:
+    from .credit import (
+        PRESETS,
+        CreditResult,
+        NodeCall,
+        RoutingState,
+        Rule,
+        credit_alignment,
+        credit_norm,
+        exact,
+        feedback_alignment,
+        method,
+        register_rule,
+        route_credit,
+        sign_symmetry,
+    )
     from .dataflow import convert, graph_from_capture
     from .tracing import Capture, capture
 
 __all__ = [
     "Capture",
     "CaptureError",
+    "CreditResult",
     "FORMAT_VERSION",
     "FxnxError",
     "FxnxTypeError",
     "FxnxValueError",
     "GraphFileError",
     "MERGE_TARGETS",
+    "NodeCall",
+    "PRESETS",
+    "RoutingState",
+    "Rule",
     "ShapePropagationError",
     "SkipConnection",
     "UnsafePickleError",
@@ -53,9 +73,17 @@ __all__ = [
     "capture",
     "census",
     "convert",
+    "credit_alignment",
+    "credit_norm",
+    "exact",
+    "feedback_alignment",
     "format_summary",
     "graph_from_capture",
+    "method",
     "read_pickle",
+    "register_rule",
+    "route_credit",
+    "sign_symmetry",
     "skip_connections",
     "summary",
     "topological_order",
@@ -64,6 +92,19 @@ __all__ = [
 
 # Public names that import torch, and the module each lives in.
 _LAZY = {
+    "PRESETS": "credit",
+    "CreditResult": "credit",
+    "NodeCall": "credit",
+    "RoutingState": "credit",
+    "credit_alignment": "credit",
+    "credit_norm": "credit",
+    "method": "credit",
+    "register_rule": "credit",
+    "route_credit": "credit",
+    "Rule": "credit",
+    "exact": "credit",
+    "feedback_alignment": "credit",
+    "sign_symmetry": "credit",
     "convert": "dataflow",
     "graph_from_capture": "dataflow",
     "Capture": "tracing",

@@ -18,7 +18,7 @@ import enum
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache, lru_cache
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
 
-__all__ = ["bind_call", "qualified_name", "to_plain"]
+__all__ = ["bind_call", "occurrences", "qualified_name", "to_plain"]
 
 
 def bind_call(node: fx.Node, gm: fx.GraphModule) -> tuple[dict[str, Any], list[str | None]]:
@@ -65,6 +65,39 @@ def bind_call(node: fx.Node, gm: fx.GraphModule) -> tuple[dict[str, Any], list[s
     info = {str(i): to_plain(a) for i, a in enumerate(args)}
     info.update((k, to_plain(v)) for k, v in kwargs.items())
     return info, [None] * len(args)
+
+
+def occurrences(node: fx.Node, names: list[str | None]) -> Iterator[tuple[int | str, fx.Node]]:
+    """Each place an fx node appears in ``node``'s arguments, with a label for it.
+
+    Top-level positional arguments are labelled by position, keyword arguments
+    by name, and elements of containers by a path from the parameter's name,
+    such as ``"tensors[1]"`` for ``torch.cat([a, b])``. The order is that of
+    ``torch.fx.node.map_arg`` over ``(node.args, node.kwargs)``.
+
+    ``names`` is the second result of :func:`bind_call`.
+    """
+    for i, value in enumerate(node.args):
+        if isinstance(value, fx.Node):
+            yield i, value
+        else:
+            yield from _walk(value, names[i] if i < len(names) and names[i] else str(i))
+    for key, value in node.kwargs.items():
+        yield from _walk(value, key)
+
+
+def _walk(value: Any, label: str) -> Iterator[tuple[str, fx.Node]]:
+    if isinstance(value, fx.Node):
+        yield label, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _walk(item, f"{label}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _walk(item, f"{label}[{key!r}]")
+    elif isinstance(value, slice):
+        for part in ("start", "stop", "step"):
+            yield from _walk(getattr(value, part), f"{label}.{part}")
 
 
 def _try_bind(sig: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:

@@ -6,7 +6,7 @@ Nothing here runs the model: it reads the fx graph and the metadata that
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import networkx as nx
@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from ._callinfo import bind_call, qualified_name
+from ._callinfo import bind_call, occurrences, qualified_name
 from ._version import FORMAT_VERSION, __version__
 from .tracing import Capture, LeafSpec, capture
 
@@ -111,7 +111,7 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
             num_params=_num_params(node, gm),
             node_call_info=info,
         )
-        for arg, source in _occurrences(node, names):
+        for arg, source in occurrences(node, names):
             shape, dtype, nbytes = _describe(source.meta.get("tensor_meta"))
             G.add_edge(source.name, node.name, arg=arg, shape=shape, dtype=dtype, nbytes=nbytes)
 
@@ -132,36 +132,6 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
         num_params=sum(p.numel() for p in gm.parameters()),
     )
     return G
-
-
-def _occurrences(node: fx.Node, names: list[str | None]) -> Iterator[tuple[int | str, fx.Node]]:
-    """Each place an fx node appears in ``node``'s arguments, with a label for it.
-
-    Top-level positional arguments are labelled by position, keyword arguments
-    by name, and elements of containers by a path from the parameter's name,
-    such as ``"tensors[1]"`` for ``torch.cat([a, b])``.
-    """
-    for i, value in enumerate(node.args):
-        if isinstance(value, fx.Node):
-            yield i, value
-        else:
-            yield from _walk(value, names[i] if i < len(names) and names[i] else str(i))
-    for key, value in node.kwargs.items():
-        yield from _walk(value, key)
-
-
-def _walk(value: Any, label: str) -> Iterator[tuple[str, fx.Node]]:
-    if isinstance(value, fx.Node):
-        yield label, value
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _walk(item, f"{label}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _walk(item, f"{label}[{key!r}]")
-    elif isinstance(value, slice):
-        for part in ("start", "stop", "step"):
-            yield from _walk(getattr(value, part), f"{label}.{part}")
 
 
 def _describe(meta: Any) -> tuple[Any, Any, int | None]:

@@ -10,11 +10,10 @@ with the source line or node that caused them.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._pytree import tree_map
 
+from ._state import preserved
 from .errors import CaptureError, FxnxTypeError, FxnxValueError, ShapePropagationError
 
 __all__ = ["Capture", "capture"]
@@ -48,12 +48,15 @@ class Capture:
         (an already traced ``GraphModule`` was given).
     propagated : bool
         Whether example inputs were run through the graph.
+    inputs : list or None
+        The example inputs as one value per placeholder, in order; None without inputs.
     """
 
     gm: fx.GraphModule
     model: nn.Module | Callable[..., Any]
     method: str
     propagated: bool
+    inputs: list[Any] | None = None
 
 
 def capture(
@@ -63,6 +66,7 @@ def capture(
     *,
     leaf_modules: Iterable[LeafSpec] = (),
     concrete_args: Mapping[str, Any] | None = None,
+    propagate: bool = True,
 ) -> Capture:
     """Trace ``model`` with torch.fx and propagate example inputs through it.
 
@@ -80,6 +84,8 @@ def capture(
     concrete_args : mapping, optional
         Inputs to fix to constant values while tracing, as in
         ``torch.fx.symbolic_trace``; use it for flags that select a branch.
+    propagate : bool
+        Run the example inputs through the graph to record shapes (default).
 
     Returns
     -------
@@ -121,9 +127,10 @@ def capture(
         gm, method = _copy_graph_module(model), "graph_module"
     else:
         gm, method = _trace(model, leaf_modules, dict(concrete_args or {})), "symbolic_trace"
-    if inputs is not None:
+    run = propagate and inputs is not None
+    if run:
         _propagate(gm, model, inputs)
-    return Capture(gm=gm, model=model, method=method, propagated=inputs is not None)
+    return Capture(gm=gm, model=model, method=method, propagated=run, inputs=inputs)
 
 
 class _Tracer(fx.Tracer):
@@ -335,19 +342,5 @@ def _describe_value(value: Any) -> Any:
 
 def _propagate(gm: fx.GraphModule, model: Any, inputs: list[Any]) -> None:
     """Run ShapeProp without leaving a trace on the model, its buffers or the RNG."""
-    with _preserved(model), torch.no_grad():
+    with preserved(model), torch.no_grad():
         _ShapeProp(gm).run(*inputs)
-
-
-@contextlib.contextmanager
-def _preserved(model: Any) -> Iterator[None]:
-    """Restore buffers (BatchNorm running stats) and the random state after running."""
-    buffers = list(model.named_buffers()) if isinstance(model, nn.Module) else []
-    saved = [b.detach().clone() for _, b in buffers]
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for (_, buf), old in zip(buffers, saved, strict=True):
-                    buf.copy_(old)

@@ -1,0 +1,262 @@
+"""One forward pass that gives every node its own small autograd graph.
+
+Each node runs on *fresh leaf tensors*, one per occurrence of an input in its
+arguments (``x * x`` gets two), detached from the nodes that produced them.
+The autograd graph of a node therefore ends at its own inputs: a backward
+through it yields that node's vector-Jacobian product for each incoming edge
+separately, and nothing upstream. That is what lets credit follow the edges of
+the NetworkX graph rather than torch's autograd graph, at the cost of one
+``torch.autograd.grad`` call per node instead of any recomputation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .._callinfo import bind_call, occurrences
+
+__all__ = ["NodeCall", "record"]
+
+#: Credit for one input occurrence or one output: a tensor, None (no credit), or a tuple/list
+#: of those for nodes that take or produce several tensors.
+Credit = Any
+
+
+@dataclass
+class NodeCall:
+    """What one node did in the recorded forward pass; what a credit rule works from.
+
+    Attributes
+    ----------
+    name, op : str
+        The fx node's name and op (``call_module``, ``call_function``, …).
+    target : Any
+        The fx target: module path, function, or method name.
+    module : nn.Module or None
+        The module a ``call_module`` node called.
+    sources, labels : list of str
+        For each input occurrence, the node it came from and its edge ``arg`` label.
+    inputs : list
+        For each input occurrence, the leaf tensor(s) the node was run on.
+    output : Any
+        What the node returned (its autograd graph ends at ``inputs``).
+    params : dict
+        Qualified parameter name to parameter, for parameters the node's module owns.
+    wanted : list of bool
+        Which input occurrences are edges of the graph being routed; a rule may
+        skip the others (their credit is discarded).
+    """
+
+    name: str
+    op: str
+    target: Any
+    module: nn.Module | None
+    sources: list[str]
+    labels: list[int | str]
+    inputs: list[Any]
+    output: Any
+    params: dict[str, Tensor]
+    wanted: list[bool] = field(default_factory=list)
+
+    def exact(
+        self, credit: Credit, *, inputs: bool = True, params: bool = True, retain_graph: bool = False
+    ) -> tuple[list[Credit], dict[str, Tensor]]:
+        """The exact vector-Jacobian product of this node: what autograd would send back.
+
+        Parameters
+        ----------
+        credit : tensor or structure like ``output``
+            Credit with respect to this node's output (None entries carry nothing).
+        inputs, params : bool
+            Whether to compute credit for the input occurrences, for the parameters.
+        retain_graph : bool
+            Keep the node's graph for a second call (a rule that calls twice needs it).
+
+        Returns
+        -------
+        (list, dict)
+            Credit for each input occurrence (None where not wanted or not
+            reachable) and for each parameter that received some.
+        """
+        outs, grads = _pairs(self.output, credit)
+        count = len(self.inputs)
+        if not outs:
+            return [None] * count, {}
+        leaves: list[Tensor] = []
+        specs = []
+        for i, value in enumerate(self.inputs):
+            flat, spec = tree_flatten(value)
+            take = inputs and (not self.wanted or self.wanted[i])
+            slots = [len(leaves) + k for k in range(len(flat))] if take else []
+            specs.append((flat, spec, slots))
+            if take:
+                leaves.extend(flat)
+        names = list(self.params) if params else []
+        wrt = leaves + [self.params[n] for n in names]
+        index = [k for k, t in enumerate(wrt) if isinstance(t, Tensor) and t.requires_grad]
+        if not index:
+            return [None] * count, {}
+        got = torch.autograd.grad(
+            outs, [wrt[k] for k in index], grads, allow_unused=True, retain_graph=retain_graph
+        )
+        result: list[Any] = [None] * len(wrt)
+        for k, g in zip(index, got, strict=True):
+            result[k] = g
+        input_credit = []
+        for _, spec, slots in specs:
+            if not slots:
+                input_credit.append(None)
+                continue
+            parts = [result[s] for s in slots]
+            input_credit.append(None if all(p is None for p in parts) else tree_unflatten(parts, spec))
+        offset = len(leaves)
+        param_credit = {
+            n: result[offset + j] for j, n in enumerate(names) if result[offset + j] is not None
+        }
+        return input_credit, param_credit
+
+
+def _pairs(output: Any, credit: Credit) -> tuple[list[Tensor], list[Tensor]]:
+    """Output tensors that have credit and depend on something, with that credit.
+
+    ``credit`` mirrors ``output``'s structure (None is a leaf in torch's pytree).
+    """
+    outs, grads = [], []
+    for out, g in zip(tree_flatten(output)[0], tree_flatten(credit)[0], strict=False):
+        if isinstance(out, Tensor) and isinstance(g, Tensor) and out.requires_grad:
+            outs.append(out)
+            grads.append(g)
+    return outs, grads
+
+
+def _leaf(value: Any) -> Any:
+    """A fresh leaf for each floating-point tensor in ``value``; other values pass through."""
+
+    def one(t: Any) -> Any:
+        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()):
+            return t.detach().requires_grad_(True)
+        return t
+
+    return tree_map(one, value)
+
+
+def _clone_tensors(value: Any) -> Any:
+    return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
+
+
+def _mutates_input(node: fx.Node, module: nn.Module | None) -> bool:
+    """Whether the call writes into an input: ReLU(inplace=True), F.relu(x, inplace=True), x.add_()."""
+    if module is not None and getattr(module, "inplace", False) is True:
+        return True
+    if node.kwargs.get("inplace") is True:
+        return True
+    target = node.target
+    return node.op == "call_method" and target.endswith("_") and not target.startswith("__")  # type: ignore[union-attr]
+
+
+def record(
+    gm: fx.GraphModule, inputs: Sequence[Any], param_names: dict[int, str]
+) -> tuple[dict[str, NodeCall], dict[str, Any], Any]:
+    """Run ``gm`` once on ``inputs``, recording a :class:`NodeCall` per computing node.
+
+    Parameters
+    ----------
+    gm : fx.GraphModule
+    inputs : sequence
+        One value per placeholder, in order.
+    param_names : dict
+        ``id(parameter)`` to its qualified name in the user's model.
+
+    Returns
+    -------
+    calls : dict
+        Node name to NodeCall, for every node but placeholders and get_attr.
+    values : dict
+        Node name to the value it produced (placeholders and get_attr included).
+    output : Any
+        The model's output.
+    """
+    env: dict[fx.Node, Any] = {}
+    calls: dict[str, NodeCall] = {}
+    feed = iter(inputs)
+    output = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(feed)
+            continue
+        if node.op == "get_attr":
+            env[node] = _fetch(gm, node.target)  # type: ignore[arg-type]
+            continue
+        leaves: list[Any] = []
+
+        def substitute(n: fx.Node, leaves: list[Any] = leaves) -> Any:
+            leaf = _leaf(env[n])
+            leaves.append(leaf)
+            return leaf
+
+        args = fx.node.map_arg(node.args, substitute)
+        kwargs = fx.node.map_arg(node.kwargs, substitute)
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+        if node.op == "output":
+            out = args[0]
+            output = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
+        else:
+            out = _run(node, module, args, kwargs)
+        env[node] = out
+        _, names = bind_call(node, gm)
+        occ = list(occurrences(node, names))
+        params = {}
+        if module is not None:
+            params = {
+                param_names.get(id(p), f"{node.target}.{n}"): p
+                for n, p in module.named_parameters()
+                if p.requires_grad
+            }
+        calls[node.name] = NodeCall(
+            name=node.name,
+            op=node.op,
+            target=node.target,
+            module=module,
+            sources=[src.name for _, src in occ],
+            labels=[label for label, _ in occ],
+            inputs=leaves,
+            output=out,
+            params=params,
+        )
+    values = {node.name: value for node, value in env.items()}
+    return calls, values, output
+
+
+def _run(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
+    """Call the node's target; an in-place call runs on copies so the leaves stay intact."""
+    if _mutates_input(node, module):
+        args, kwargs = _clone_tensors(args), _clone_tensors(kwargs)
+    with torch.enable_grad():
+        try:
+            return _call(node, module, args, kwargs)
+        except RuntimeError as err:
+            if "in-place" not in str(err):
+                raise
+            # An in-place write we could not see coming (inside a custom leaf module).
+            return _call(node, module, _clone_tensors(args), _clone_tensors(kwargs))
+
+
+def _call(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
+    if module is not None:
+        return module(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)  # type: ignore[arg-type]
+    return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _fetch(gm: fx.GraphModule, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)

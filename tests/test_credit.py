@@ -1,0 +1,475 @@
+"""Credit routing against torch.autograd, and the rules against hand-computed transports."""
+
+from __future__ import annotations
+
+import copy
+
+import networkx as nx
+import pytest
+import torch
+import torch.fx as fx
+import torchvision
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+import fxnx
+
+from conftest import TORCHVISION
+from zoo import CASES
+
+# --- the oracle: plain autograd over an independent trace, in-place ops switched off ----------
+
+
+def _no_inplace(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model)
+    for module in ref.modules():
+        if getattr(module, "inplace", False):
+            module.inplace = False
+    return ref
+
+
+def autograd_credit(model, inputs, output_credit=None, edit=None):
+    """dL/d(output of every node) and dL/d(every parameter), L = <output, output_credit>.
+
+    Each node's output is wrapped in a fresh view, so a node that returns its
+    input unchanged still has a gradient of its own. ``edit(gm)`` may change the
+    fx graph first (to detach a skip branch).
+    """
+    ref = _no_inplace(model)
+    gm = fx.symbolic_trace(ref)
+    for node in gm.graph.nodes:  # functional in-place calls: F.relu(x, inplace=True)
+        if node.kwargs.get("inplace") is True:
+            node.kwargs = {**node.kwargs, "inplace": False}
+    gm.recompile()
+    if edit is not None:
+        edit(gm)
+    values = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            out = tree_map(
+                lambda t: t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t,
+                super().run_node(n),
+            )
+            values[n.name] = out
+            return out
+
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = Recorder(gm).run(*leaves)
+    out_flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    credit = (
+        [torch.ones_like(t) for t in out_flat]
+        if output_credit is None
+        else [t for t in tree_flatten(output_credit)[0] if isinstance(t, torch.Tensor)]
+    )
+    slots = [
+        (name, i, t)
+        for name, value in values.items()
+        for i, t in enumerate(tree_flatten(value)[0])
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    params = list(ref.named_parameters())
+    grads = torch.autograd.grad(
+        out_flat, [t for *_, t in slots] + [p for _, p in params], credit, allow_unused=True
+    )
+    nodes: dict[str, dict[int, torch.Tensor]] = {}
+    for (name, i, t), g in zip(slots, grads, strict=False):
+        nodes.setdefault(name, {})[i] = torch.zeros_like(t) if g is None else g
+    param_grads = {
+        n: (torch.zeros_like(p) if g is None else g)
+        for (n, p), g in zip(params, grads[len(slots) :], strict=True)
+    }
+    return nodes, param_grads
+
+
+def _rel(a, b):
+    scale = float(b.norm())
+    diff = float((a - b).norm())
+    return diff / scale if scale > 0 else diff
+
+
+def assert_matches_autograd(res, nodes, params, tol):
+    worst = 0.0
+    for name, expected in nodes.items():
+        flat = tree_flatten(res.node_credit[name])[0]
+        for i, g in expected.items():
+            got = flat[i] if i < len(flat) and isinstance(flat[i], torch.Tensor) else torch.zeros_like(g)
+            err = _rel(got, g)
+            worst = max(worst, err)
+            assert err <= tol, f"node {name}[{i}]: relative error {err:.3e}"
+    assert set(res.param_credit) <= set(params)
+    for name, g in params.items():
+        got = res.param_credit.get(name, torch.zeros_like(g))
+        err = _rel(got, g)
+        assert err <= tol, f"parameter {name}: relative error {err:.3e}"
+    # Not vacuous: credit reached the first input and most nodes.
+    nonzero = sum(any(float(g.norm()) > 0 for g in e.values()) for e in nodes.values())
+    assert nonzero >= 0.7 * len(nodes)
+    first_input = next(iter(nodes))
+    assert float(nodes[first_input][0].norm()) > 0
+    return worst
+
+
+# --- exact equals autograd --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("name", CASES)
+def test_exact_equals_autograd_on_the_zoo_float64(name, mode):
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = getattr(case.build().double(), mode)()
+    inputs = [t.double() for t in case.inputs()]
+    kwargs = {k: v.double() for k, v in case.kwargs().items()}
+    G = fxnx.convert(model, *inputs, kwargs=kwargs)
+    res = fxnx.route_credit(G, model, *inputs, kwargs=kwargs)
+    all_inputs = inputs + list(kwargs.values())
+    if name == "multi_input_kwargs":
+        all_inputs = all_inputs + [torch.tensor(2.0, dtype=torch.float64)]
+    nodes, params = autograd_credit(model, all_inputs)
+    if name == "multi_input_kwargs":  # the oracle made scale a tensor; fxnx keeps the float
+        del nodes["scale"]
+    assert_matches_autograd(res, nodes, params, tol=1e-12)
+
+
+def _vision_model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "vit_b_16":
+        model = torchvision.models.vit_b_16(weights=None, image_size=32)
+        nn.init.normal_(model.heads.head.weight, std=0.02)  # zero by default: would prove nothing
+        nn.init.normal_(model.heads.head.bias, std=0.02)
+        return model
+    return torchvision.models.get_model(name, weights=None)
+
+
+def _vision_check(name, mode, dtype, tol, batch=2):
+    model = getattr(_vision_model(name).to(dtype), mode)()
+    x = torch.randn(batch, 3, 32 if name == "vit_b_16" else 64, 64, dtype=dtype)
+    if name == "vit_b_16":
+        x = x[..., :32]
+    G = fxnx.convert(model, x)
+    torch.manual_seed(1)
+    res = fxnx.route_credit(G, model, x)
+    torch.manual_seed(1)
+    nodes, params = autograd_credit(model, [x])
+    assert set(params) == {n for n, p in model.named_parameters() if p.requires_grad}
+    return assert_matches_autograd(res, nodes, params, tol=tol), res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_exact_equals_autograd_on_torchvision_float64(name, mode):
+    _, res = _vision_check(name, mode, torch.float64, tol=1e-12)
+    if name == "vit_b_16":  # get_attr parameters get their credit
+        assert {"class_token", "encoder.pos_embedding"} <= set(res.param_credit)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_exact_equals_autograd_on_resnet18_float64(mode):
+    _vision_check("resnet18", mode, torch.float64, tol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+def test_exact_equals_autograd_in_float32(name):
+    _vision_check(name, "train", torch.float32, tol=1e-5)
+
+
+def test_output_credit_is_used():
+    model = CASES["tuple_output"].build().double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    credit = (torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64))
+    res = fxnx.route_credit(fxnx.convert(model, x), model, x, output_credit=credit)
+    nodes, params = autograd_credit(model, [x], output_credit=credit)
+    assert_matches_autograd(res, nodes, params, tol=1e-12)
+
+
+# --- the contract's routing semantics ---------------------------------------------------------
+
+
+def test_fan_out_sums_and_add_branches():
+    model = CASES["skip_block"].build().double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    res = fxnx.route_credit(fxnx.convert(model, x), model, x)
+    # add sends its credit, unchanged, to both inputs; x sums the residual and the skip credit.
+    assert torch.equal(res.node_credit["relu"], res.node_credit["add"])
+    W = model.lin.weight
+    through_lin = (res.node_credit["relu"] * (res.node_credit["lin"] != 0)) @ W
+    assert torch.allclose(res.node_credit["x"], res.node_credit["add"] + through_lin)
+
+
+def test_removing_a_skip_edge_routes_only_through_the_residual():
+    model = torchvision.models.resnet18(weights=None).double().eval()
+    x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    full = fxnx.route_credit(G, model, x)
+    G.remove_edge("maxpool", "add", 0)
+    cut = fxnx.route_credit(G, model, x)
+
+    def detach_skip(gm):  # the oracle: the same add, with its skip input detached
+        add = next(n for n in gm.graph.nodes if n.name == "add")
+        with gm.graph.inserting_before(add):
+            detached = gm.graph.call_method("detach", (add.args[1],))
+        add.args = (add.args[0], detached)
+        gm.recompile()
+
+    nodes, params = autograd_credit(model, [x], edit=detach_skip)
+    for name in ("maxpool", "x", "conv1"):
+        assert _rel(cut.node_credit[name], nodes[name][0]) <= 1e-12
+    assert _rel(cut.node_credit["maxpool"], full.node_credit["maxpool"]) > 0.01
+    assert _rel(cut.param_credit["conv1.weight"], params["conv1.weight"]) <= 1e-12
+
+
+def test_non_tensor_nodes_carry_no_credit():
+    model = CASES["functional_and_methods"].build().double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    res = fxnx.route_credit(fxnx.convert(model, x), model, x)
+    assert res.node_credit["size"] is None and res.node_credit["dim"] is None
+    assert res.node_credit["x"].shape == x.shape
+
+
+def test_multi_output_node_credit_is_a_tuple_of_its_slices():
+    model = CASES["cat_chunk"].build().double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    res = fxnx.route_credit(G, model, x, output_credit=torch.arange(8.0).reshape(2, 4))
+    first, second = res.node_credit["chunk"]
+    credit = torch.arange(8.0, dtype=torch.float64).reshape(2, 4)
+    assert torch.equal(second, credit[:, :2]) and torch.equal(first, credit[:, 2:])
+    assert torch.equal(res.node_credit["x"], torch.cat([credit[:, 2:], credit[:, :2]], 1))
+
+
+def test_credit_norm_is_written_onto_g():
+    model = CASES["skip_block"].build()
+    x = torch.randn(2, 4)
+    G = fxnx.convert(model, x)
+    res = fxnx.route_credit(G, model, x)
+    assert G.nodes["add"]["credit_norm"] == pytest.approx(float(res.node_credit["add"].norm()))
+    assert G.graph["credit_rule"] == "exact"
+    assert type(G.nodes["x"]["credit_norm"]) is float
+
+
+# --- no side effects --------------------------------------------------------------------------
+
+
+def test_no_side_effects_in_train_mode():
+    model = torchvision.models.resnet18(weights=None).train()
+    x = torch.randn(2, 3, 64, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    G = fxnx.convert(model, x)
+    torch.manual_seed(5)
+    fxnx.route_credit(G, model, x)
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(5)
+    assert torch.equal(rng_after, torch.get_rng_state())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert model.training and all(m.training for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+    assert int(model.bn1.num_batches_tracked) == 0
+
+
+def test_output_is_unchanged_afterwards_in_eval_mode():
+    model = torchvision.models.resnet18(weights=None).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        before = model(x)
+    res = fxnx.route_credit(fxnx.convert(model, x), model, x)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    assert torch.equal(res.output, before)
+
+
+def test_inplace_relu_gives_the_credit_of_inplace_off():
+    torch.manual_seed(0)
+    model = CASES["inplace_relu"].build().double()
+    off = _no_inplace(model)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    on_res = fxnx.route_credit(fxnx.convert(model, x), model, x)
+    off_res = fxnx.route_credit(fxnx.convert(off, x), off, x)
+    for name, credit in off_res.node_credit.items():
+        if credit is not None:
+            assert torch.equal(on_res.node_credit[name], credit), name
+    assert model.act.inplace  # the model itself is untouched
+
+
+# --- rules ------------------------------------------------------------------------------------
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+
+
+def test_feedback_alignment_transports_through_b_by_hand():
+    model = _mlp()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    res = fxnx.route_credit(G, model, x, rule="feedback_alignment")
+    B = res.feedback["_2"]
+    assert B.shape == model[2].weight.shape
+    # Credit at the tanh output is the output credit through B, not through W.
+    assert torch.allclose(res.node_credit["_1"], torch.ones(4, 3, dtype=torch.float64) @ B)
+    # The layer's own weight credit is exact given the credit at its output.
+    assert torch.allclose(res.param_credit["2.weight"], torch.ones(4, 3).double().T @ torch.tanh(model[0](x)))
+    assert res.rules == {"output": "exact", "_2": "feedback_alignment", "_1": "exact",
+                         "_0": "feedback_alignment"}
+    assert "feedback_alignment on 2 nodes" in res.describe()
+
+
+def test_feedback_alignment_with_b_equal_to_w_reproduces_exact():
+    model = torchvision.models.resnet18(weights=None).double().eval()
+    x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    exact = fxnx.route_credit(G, model, x)
+    weights = {
+        n: model.get_submodule(d["target"]).weight.detach().clone()
+        for n, d in G.nodes(data=True)
+        if d["op"] == "call_module" and d["module_type"].endswith(("Conv2d", "Linear"))
+    }
+    fa = fxnx.route_credit(G, model, x, rule="feedback_alignment", feedback=weights)
+    assert sum(r == "feedback_alignment" for r in fa.rules.values()) == 21
+    for name, credit in exact.node_credit.items():
+        if credit is not None:
+            assert _rel(fa.node_credit[name], credit) <= 1e-12, name
+    for name, credit in exact.param_credit.items():
+        assert _rel(fa.param_credit[name], credit) <= 1e-12, name
+
+
+def test_random_feedback_differs_and_is_reproducible():
+    model = torchvision.models.resnet18(weights=None).double().eval()
+    x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    exact = fxnx.route_credit(G, model, x)
+    a = fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=3)
+    b = fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=3)
+    c = fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=4)
+    assert torch.equal(a.node_credit["x"], b.node_credit["x"])
+    assert not torch.equal(a.node_credit["x"], c.node_credit["x"])
+    angles = fxnx.credit_alignment(a, exact)
+    assert angles["fc"]["angle"] < 1e-6  # nothing above fc: its credit is exact
+    assert angles["flatten"]["angle"] > 30  # through a random B: another direction
+    assert angles["layer1_0_conv1"]["rel_error"] > 0.5
+
+
+def test_sign_symmetry_transports_through_sign_w():
+    model = _mlp()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    res = fxnx.route_credit(fxnx.convert(model, x), model, x, rule="sign_symmetry")
+    expected = torch.ones(4, 3, dtype=torch.float64) @ model[2].weight.sign()
+    assert torch.equal(res.node_credit["_1"], expected)
+
+
+def test_feedback_alignment_on_a_conv_matches_torch_nn_grad():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3)).double()
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    res = fxnx.route_credit(fxnx.convert(model, x), model, x, rule="feedback_alignment")
+    B = res.feedback["_2"]
+    relu_out = model[1](model[0](x))
+    expected = torch.nn.grad.conv2d_input(relu_out.shape, B, res.node_credit["_2"])
+    assert torch.allclose(res.node_credit["_1"], expected)
+
+
+def test_feedback_alignment_on_same_padding_conv():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding="same", padding_mode="reflect")).double()
+    x = torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    fa = fxnx.route_credit(G, model, x, rule="feedback_alignment", feedback={"_0": model[0].weight.detach()})
+    exact = fxnx.route_credit(G, model, x)
+    assert _rel(fa.node_credit["input_1"], exact.node_credit["input_1"]) <= 1e-12
+
+
+def test_user_rule_by_node_name_is_the_one_called():
+    model = _mlp()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    calls = []
+
+    def halve(call, credit, state):
+        calls.append(call.name)
+        inputs, params = call.exact(credit)
+        return [None if c is None else c / 2 for c in inputs], params
+
+    G = fxnx.convert(model, x)
+    res = fxnx.route_credit(G, model, x, rules={"_1": halve})
+    exact = fxnx.route_credit(G, model, x)
+    assert calls == ["_1"]
+    assert res.rules["_1"] == "halve"
+    assert torch.allclose(res.node_credit["_0"], exact.node_credit["_0"] / 2)
+    assert torch.equal(res.node_credit["_1"], exact.node_credit["_1"])
+
+
+def test_user_rule_by_kind_and_registered_preset():
+    model = _mlp()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+
+    def block(call, credit, state):
+        return [None] * len(call.inputs), {}
+
+    res = fxnx.route_credit(G, model, x, rules={nn.Tanh: block})
+    assert res.node_credit["_0"] is None and res.rules["_1"] == "block"
+    fxnx.register_rule("block_tanh", nn.Tanh)(block)
+    try:
+        res = fxnx.route_credit(G, model, x, rule="block_tanh")
+        assert res.node_credit["_0"] is None and res.rules["_1"] == "block_tanh"
+    finally:
+        del fxnx.PRESETS["block_tanh"]
+
+
+def test_a_preset_that_applies_nowhere_says_so():
+    model = nn.Sequential(nn.Tanh())
+    x = torch.randn(2)
+    with pytest.warns(UserWarning, match="applies to no node"):
+        fxnx.route_credit(fxnx.convert(model, x), model, x, rule="feedback_alignment")
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def _skip():
+    model = CASES["skip_block"].build()
+    x = torch.randn(2, 4)
+    return fxnx.convert(model, x), model, x
+
+
+def test_unknown_rule_lists_the_known_ones():
+    G, model, x = _skip()
+    with pytest.raises(ValueError, match="unknown rule 'fa'; known rules: exact, feedback_alignment"):
+        fxnx.route_credit(G, model, x, rule="fa")
+
+
+def test_a_cycle_is_refused():
+    G, model, x = _skip()
+    G.add_edge("add", "lin", arg=0)
+    with pytest.raises(fxnx.FxnxValueError, match="no longer acyclic"):
+        fxnx.route_credit(G, model, x)
+
+
+def test_a_missing_node_is_refused():
+    G, model, x = _skip()
+    G.remove_node("relu")
+    with pytest.raises(fxnx.FxnxValueError, match=r"lacks nodes the model computes: \['relu'\]"):
+        fxnx.route_credit(G, model, x)
+
+
+def test_an_edge_the_model_lacks_is_refused():
+    G, model, x = _skip()
+    G.add_edge("x", "relu", arg=0)
+    with pytest.raises(fxnx.FxnxValueError, match="x -> relu .* not an input of node 'relu'"):
+        fxnx.route_credit(G, model, x)
+
+
+def test_a_graph_of_another_model_is_refused():
+    G, _, x = _skip()
+    with pytest.raises(fxnx.FxnxValueError, match="lacks nodes"):
+        fxnx.route_credit(G, nn.Sequential(nn.Linear(4, 4)), x)
+
+
+def test_output_credit_of_the_wrong_shape_is_refused():
+    G, model, x = _skip()
+    with pytest.raises(fxnx.FxnxValueError, match=r"output_credit\[0\] has shape \(3,\)"):
+        fxnx.route_credit(G, model, x, output_credit=torch.ones(3))
+    with pytest.raises(TypeError, match="MultiDiGraph"):
+        fxnx.route_credit(nx.DiGraph(), model, x)
