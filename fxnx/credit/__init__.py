@@ -15,9 +15,9 @@ from .rules import (
 )
 
 __all__ = [
-    "PRESETS",
     "CreditResult",
     "NodeCall",
+    "PRESETS",
     "RoutingState",
     "Rule",
     "credit_alignment",
