@@ -71,10 +71,10 @@ class CreditResult:
 
 def credit_norm(credit: Credit) -> float | None:
     """The Euclidean norm of a credit, over all its tensors; None if it has none."""
-    tensors = [t for t in tree_flatten(credit)[0] if isinstance(t, Tensor)]
-    if not tensors:
+    norms = [torch.linalg.vector_norm(t.detach()) for t in tree_flatten(credit)[0] if isinstance(t, Tensor)]
+    if not norms:
         return None
-    return float(torch.sqrt(sum(t.detach().double().pow(2).sum() for t in tensors)))
+    return float(torch.linalg.vector_norm(torch.stack(norms).double()))
 
 
 def route_credit(
