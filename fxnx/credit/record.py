@@ -90,14 +90,14 @@ class NodeCall:
         if not outs:
             return [None] * count, {}
         leaves: list[Tensor] = []
-        specs = []
+        slots: list[tuple[Any, list[int]] | None] = []  # per occurrence: (pytree spec, positions)
         for i, value in enumerate(self.inputs):
+            if not inputs or (self.wanted and not self.wanted[i]):
+                slots.append(None)
+                continue
             flat, spec = tree_flatten(value)
-            take = inputs and (not self.wanted or self.wanted[i])
-            slots = [len(leaves) + k for k in range(len(flat))] if take else []
-            specs.append((flat, spec, slots))
-            if take:
-                leaves.extend(flat)
+            slots.append((spec, list(range(len(leaves), len(leaves) + len(flat)))))
+            leaves.extend(flat)
         names = list(self.params) if params else []
         wrt = leaves + [self.params[n] for n in names]
         index = [k for k, t in enumerate(wrt) if isinstance(t, Tensor) and t.requires_grad]
@@ -109,13 +109,11 @@ class NodeCall:
         result: list[Any] = [None] * len(wrt)
         for k, g in zip(index, got, strict=True):
             result[k] = g
-        input_credit = []
-        for _, spec, slots in specs:
-            if not slots:
-                input_credit.append(None)
-                continue
-            parts = [result[s] for s in slots]
-            input_credit.append(None if all(p is None for p in parts) else tree_unflatten(parts, spec))
+        input_credit: list[Credit] = []
+        for slot in slots:
+            parts = [result[k] for k in slot[1]] if slot else []
+            found = any(p is not None for p in parts)
+            input_credit.append(tree_unflatten(parts, slot[0]) if slot and found else None)
         offset = len(leaves)
         param_credit = {
             n: result[offset + j] for j, n in enumerate(names) if result[offset + j] is not None
