@@ -12,11 +12,14 @@ from typing import Any
 
 import networkx as nx
 
+from .errors import FxnxValueError
+
 __all__ = [
     "MERGE_TARGETS",
     "SkipConnection",
     "census",
     "format_summary",
+    "scope_subgraph",
     "skip_connections",
     "summary",
     "topological_order",
@@ -105,7 +108,7 @@ def _carries_tensor(G: nx.MultiDiGraph, source: str) -> bool:
     return G.nodes[source].get("op") != "get_attr"
 
 
-def skip_connections(G: nx.MultiDiGraph) -> list[SkipConnection]:
+def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipConnection]:
     """Find every place where branches of the graph split and rejoin.
 
     A merge is an addition or concatenation (:data:`MERGE_TARGETS`) of two or
@@ -114,10 +117,25 @@ def skip_connections(G: nx.MultiDiGraph) -> list[SkipConnection]:
     Merges whose inputs share no fork, such as adding a learned position
     embedding, are not skip connections.
 
+    Parameters
+    ----------
+    G : networkx.MultiDiGraph
+    annotate : bool
+        Also write the result onto ``G`` as plain data (see Notes).
+
     Returns
     -------
     list of SkipConnection
         In graph order of the merge nodes.
+
+    Notes
+    -----
+    With ``annotate``, ``G.graph["skip_connections"]`` holds one dict per skip
+    connection (``merge``, ``fork``, ``skip``, ``residual``), and nodes and
+    edges on a branch get ``branch_role`` (``"fork"``, ``"merge"``, ``"skip"``
+    or ``"residual"``) and ``branch_merge`` (the merge node's name). Where skip
+    connections nest, the innermost one names a node's or edge's role. Old
+    annotations are cleared first, so an edited graph is annotated afresh.
 
     Examples
     --------
@@ -135,6 +153,8 @@ def skip_connections(G: nx.MultiDiGraph) -> list[SkipConnection]:
         and len({u for u in G.predecessors(n) if _carries_tensor(G, u)}) >= 2
     ]
     if not merges:
+        if annotate:
+            _annotate(G, [])
         return []
     root = ("fxnx", "root")  # a key no fx node name can equal
     flow = nx.DiGraph(G.edges())
@@ -163,7 +183,72 @@ def skip_connections(G: nx.MultiDiGraph) -> list[SkipConnection]:
                 branches=tuple(branches),
             )
         )
+    if annotate:
+        _annotate(G, found)
     return found
+
+
+def _annotate(G: nx.MultiDiGraph, skips: list[SkipConnection]) -> None:
+    for _, data in G.nodes(data=True):
+        data.pop("branch_role", None), data.pop("branch_merge", None)
+    for *_, data in G.edges(data=True):
+        data.pop("branch_role", None), data.pop("branch_merge", None)
+    G.graph["skip_connections"] = [
+        {"merge": s.merge, "fork": s.fork, "skip": list(s.skip), "residual": list(s.residual)}
+        for s in skips
+    ]
+    # Innermost first (fewest nodes between fork and merge); an annotation is never overwritten.
+    for s in sorted(skips, key=lambda s: len(s.skip) + len(s.residual)):
+        for role, branch in (("skip", s.skip), ("residual", s.residual)):
+            members = set(branch)
+            for node in branch:
+                G.nodes[node].setdefault("branch_role", role)
+                G.nodes[node].setdefault("branch_merge", s.merge)
+            for u, v, data in G.edges(data=True):
+                if (u == s.fork or u in members) and (v == s.merge or v in members):
+                    if role == "skip" or (u, v) != (s.fork, s.merge):
+                        data.setdefault("branch_role", role)
+                        data.setdefault("branch_merge", s.merge)
+        G.nodes[s.fork].setdefault("branch_role", "fork")
+        G.nodes[s.merge]["branch_role"] = "merge"
+        G.nodes[s.merge]["branch_merge"] = s.merge
+
+
+def scope_subgraph(G: nx.MultiDiGraph, scope: str, *, inputs: bool = True) -> nx.MultiDiGraph:
+    """The part of ``G`` computed inside module ``scope``: a copy with every attribute.
+
+    Skip connections are found on the whole of ``G`` first (if they were not
+    already), so a branch whose fork lies outside ``scope`` keeps its roles.
+
+    Parameters
+    ----------
+    G : networkx.MultiDiGraph
+    scope : str
+        A module path such as ``"layer2"`` or ``"features.denseblock1"``.
+    inputs : bool
+        Also keep the nodes outside ``scope`` that feed it, for context.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph([("x", "a"), ("a", "b"), ("b", "c")])
+    >>> nx.set_node_attributes(G, {"x": "", "a": "block", "b": "block.inner", "c": ""}, "scope")
+    >>> sorted(scope_subgraph(G, "block")), sorted(scope_subgraph(G, "block", inputs=False))
+    (['a', 'b', 'x'], ['a', 'b'])
+    """
+    if "skip_connections" not in G.graph:
+        skip_connections(G)
+    inside = {
+        n for n, data in G.nodes(data=True)
+        if (data.get("scope") or "") == scope or (data.get("scope") or "").startswith(scope + ".")
+        or (data.get("op") == "call_module" and str(data.get("target", "")).startswith(scope + "."))
+    }
+    if not inside:
+        scopes = sorted({d.get("scope") or "" for _, d in G.nodes(data=True)} - {""})
+        raise FxnxValueError(f"no node of G is inside scope {scope!r}; scopes: {scopes[:10]}")
+    keep = set(inside)
+    if inputs:
+        keep |= {u for n in inside for u in G.predecessors(n)}
+    return G.subgraph(sorted(keep, key=lambda n: G.nodes[n].get("order", 0))).copy()
 
 
 def summary(G: nx.MultiDiGraph) -> dict[str, Any]:

@@ -140,3 +140,59 @@ def test_topological_order_breaks_ties_by_fx_order():
     G = nx.MultiDiGraph([("x", "b"), ("x", "a")])
     nx.set_node_attributes(G, {"x": 0, "b": 1, "a": 2}, "order")
     assert fxnx.topological_order(G) == ["x", "b", "a"]
+
+
+def test_skip_roles_are_written_onto_g_as_plain_data(tmp_path):
+    from conftest import assert_graph_plain
+
+    G = _zoo("nested_skip")
+    fxnx.skip_connections(G)
+    roles = dict(G.nodes(data="branch_role"))
+    assert roles == {"x": "fork", "inner_lin": "residual", "relu": "residual", "add": "merge",
+                     "proj": "residual", "add_1": "merge", "output": None}
+    assert G.nodes["inner_lin"]["branch_merge"] == "add"  # the innermost skip names it
+    assert G.nodes["proj"]["branch_merge"] == "add_1"
+    edges = {(u, v): (d.get("branch_role"), d.get("branch_merge")) for u, v, d in G.edges(data=True)}
+    assert edges[("x", "add")] == ("skip", "add")
+    assert edges[("x", "add_1")] == ("skip", "add_1")
+    assert edges[("x", "inner_lin")] == ("residual", "add")
+    assert edges[("add", "proj")] == ("residual", "add_1")
+    assert edges[("add_1", "output")] == (None, None)
+    assert G.graph["skip_connections"][1] == {
+        "merge": "add_1", "fork": "x", "skip": [], "residual": ["inner_lin", "relu", "add", "proj"],
+    }
+    assert_graph_plain(G)
+    fxnx.write_pickle(G, tmp_path / "g.pkl")
+    H = fxnx.read_pickle(tmp_path / "g.pkl")
+    assert [d for *_, d in H.edges(data="branch_role")] == [d for *_, d in G.edges(data="branch_role")]
+
+
+def test_resnet18_downsample_edges_are_skip_edges(torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 3, 32, 32))
+    fxnx.skip_connections(G)
+    skip_edges = {(u, v) for u, v, r in G.edges(data="branch_role") if r == "skip"}
+    assert ("layer1_1_relu_1", "layer2_0_downsample_0") in skip_edges
+    assert ("layer2_0_downsample_1", "add_2") in skip_edges
+    assert ("maxpool", "add") in skip_edges
+    assert len(skip_edges) == 5 + 3 * 3  # one edge per identity skip, three per downsample
+    assert sum(r == "merge" for _, r in G.nodes(data="branch_role")) == 8
+
+
+def test_annotations_are_refreshed_after_an_edit():
+    G = _zoo("skip_block")
+    fxnx.skip_connections(G)
+    G.remove_edge("x", "add")
+    assert fxnx.skip_connections(G) == []
+    assert all(r is None for _, r in G.nodes(data="branch_role"))
+    assert G.graph["skip_connections"] == []
+
+
+def test_scope_subgraph_of_a_densenet_block(torchvision_model):
+    G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 32, 32))
+    block = fxnx.scope_subgraph(G, "features.denseblock1", inputs=False)
+    assert {d["scope"].split(".")[1] for _, d in block.nodes(data=True)} == {"denseblock1"}
+    assert sum(d["target"] == "torch.cat" for _, d in block.nodes(data=True)) == 7
+    with_inputs = fxnx.scope_subgraph(G, "features.denseblock1")
+    assert set(with_inputs) - set(block) == {"features_pool0"}
+    with pytest.raises(fxnx.FxnxValueError, match="no node of G is inside scope 'features.nope'"):
+        fxnx.scope_subgraph(G, "features.nope")
