@@ -32,9 +32,9 @@ need_venv() {
     fi
     echo "dev.sh: building the virtual environment in $VENV (torch is large: a few minutes)" >&2
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 \
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench]" 2>&1 \
         | grep -v "is ignored: it is neither a file nor a directory" || true
-    "$VENV/bin/python" -c "import fxnx, torch, torchvision, networkx, pydot, pytest" \
+    "$VENV/bin/python" -c "import fxnx, torch, torchvision, networkx, pydot, pytest, matplotlib, torchview" \
         || { echo "dev.sh: the install failed; see the pip output above" >&2; exit 1; }
     echo "$want" > "$stamp"
 }

@@ -20,6 +20,7 @@ from .analysis import (
     SkipConnection,
     census,
     format_summary,
+    node_depths,
     scope_subgraph,
     skip_connections,
     summary,
@@ -33,6 +34,8 @@ from .errors import (
     ShapePropagationError,
 )
 from .io import GraphFileError, UnsafePickleError, read_pickle, write_pickle
+from .plot import plot_alignment, plot_census, plot_credit_by_depth
+from .render import GraphvizNotFoundError, draw, to_pydot
 
 if TYPE_CHECKING:
     from .credit import (
@@ -62,6 +65,7 @@ __all__ = [
     "FxnxTypeError",
     "FxnxValueError",
     "GraphFileError",
+    "GraphvizNotFoundError",
     "MERGE_TARGETS",
     "NodeCall",
     "PRESETS",
@@ -76,11 +80,16 @@ __all__ = [
     "convert",
     "credit_alignment",
     "credit_norm",
+    "draw",
     "exact",
     "feedback_alignment",
     "format_summary",
     "graph_from_capture",
     "method",
+    "node_depths",
+    "plot_alignment",
+    "plot_census",
+    "plot_credit_by_depth",
     "read_pickle",
     "register_rule",
     "route_credit",
@@ -88,6 +97,7 @@ __all__ = [
     "sign_symmetry",
     "skip_connections",
     "summary",
+    "to_pydot",
     "topological_order",
     "write_pickle",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "SkipConnection",
     "census",
     "format_summary",
+    "node_depths",
     "scope_subgraph",
     "skip_connections",
     "summary",
@@ -84,6 +85,21 @@ def topological_order(G: nx.MultiDiGraph) -> list[str]:
     ['x', 'a', 'b', 'out']
     """
     return list(nx.lexicographical_topological_sort(G, key=lambda n: G.nodes[n].get("order", 0)))
+
+
+def node_depths(G: nx.MultiDiGraph) -> dict[str, int]:
+    """Each node's depth: the most edges on any path to it from an input.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph([("x", "a"), ("a", "b"), ("x", "b")])
+    >>> node_depths(G)
+    {'x': 0, 'a': 1, 'b': 2}
+    """
+    depth: dict[str, int] = {}
+    for node in topological_order(G):
+        depth[node] = max((depth[u] + 1 for u in G.predecessors(node)), default=0)
+    return depth
 
 
 def census(G: nx.MultiDiGraph, by: str = "op") -> dict[Any, int]:

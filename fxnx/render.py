@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -35,6 +36,8 @@ VIRIDIS = ("#440154", "#472D7B", "#3B528B", "#2C728E", "#21918C", "#28AE80", "#5
            "#ADDC30", "#FDE725")
 #: Graphviz cannot write a PNG wider or taller than this many pixels.
 MAX_PIXELS = 32767
+#: Past this many edges a PNG is unreadable and Graphviz's layout takes minutes (DenseNet-201).
+MAX_EDGES = 1000
 FONT = "Helvetica"
 
 
@@ -114,8 +117,10 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 150, **
     """Draw ``G`` to ``path``: PNG, SVG or PDF by its suffix, or DOT text for ``.dot``/``.gv``.
 
     Options are those of :func:`to_pydot`. A graph too tall or wide for a PNG
-    (Graphviz's 32,767-pixel limit) is drawn collapsed to the deepest module
-    level that fits, with a warning; SVG and PDF have no such limit.
+    (Graphviz's 32,767-pixel limit), or too dense to read (over 1,000 edges),
+    is drawn collapsed to the deepest module level that fits, with a warning,
+    never scaled down into a blur; SVG and PDF have no such limit. The layout
+    is measured before anything is rasterised.
 
     Raises
     ------
@@ -140,42 +145,72 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 150, **
     if fmt in ("dot", "gv"):
         path.write_text(to_pydot(G, **options).to_string())
         return path
-    dot_exe = shutil.which("dot")
-    if dot_exe is None:
+    if shutil.which("dot") is None:
         raise GraphvizNotFoundError(
             f"drawing {path.name} needs Graphviz's dot program, which is not installed. "
             "Install it with: apt-get install graphviz (Debian/Ubuntu), brew install graphviz "
             "(macOS) or conda install graphviz. Without it, draw to a .dot file instead."
         )
-    depths = [options.pop("depth", None)]
-    if fmt == "png" and depths[0] is None:
-        depths += list(range(_module_depth(G) - 1, 0, -1))
-    for i, depth in enumerate(depths):
-        if fmt == "png" and depth is None and _estimated_pixels(G, dpi) > MAX_PIXELS and i + 1 < len(depths):
-            continue
-        text = to_pydot(G, depth=depth, **options).to_string()
-        done = subprocess.run(
-            [dot_exe, f"-T{fmt}", f"-Gdpi={dpi}", "-o", str(path)],
-            input=text.encode(), capture_output=True, check=False,
+    depth = options.pop("depth", None)
+    if fmt != "png":
+        _graphviz("dot", to_pydot(G, depth=depth, **options).to_string(), fmt, dpi, path)
+        return path
+    # Lay out first (fast), measure, and collapse until the PNG fits; then rasterise that layout.
+    tries = [depth] if depth is not None else [None, *range(_module_depth(G) - 1, 0, -1)]
+    for depth_now in tries:
+        view = _collapse(G, depth_now) if depth_now is not None else G
+        too_big = _least_pixels(view, dpi) > MAX_PIXELS or view.number_of_edges() > MAX_EDGES
+        if depth_now != tries[-1] and too_big:
+            continue  # surely too large or too dense to read: spare Graphviz a long layout
+        laid_out = _graphviz("dot", to_pydot(view, **options).to_string(), "xdot")
+        width, height = _pixels(laid_out, dpi)
+        if max(width, height) <= MAX_PIXELS:
+            break
+    else:
+        raise FxnxValueError(
+            f"{path.name} would be {width}×{height} pixels, over Graphviz's {MAX_PIXELS}-pixel "
+            f"limit for PNG, at depth={depth_now} and dpi={dpi}: use a smaller depth or dpi, or "
+            "write .svg or .pdf"
         )
-        if done.returncode != 0:
-            raise FxnxValueError(f"Graphviz could not draw {path.name}: {done.stderr.decode().strip()}")
-        if b"too large" not in done.stderr and b"scaling" not in done.stderr:
-            if depth is not None and depth != depths[0]:
-                warnings.warn(
-                    f"{G.graph.get('model', 'the graph')} is too large for a readable PNG; drew it "
-                    f"with modules collapsed below depth {depth}. Write .svg or .pdf to see every "
-                    "node, or pick depth= yourself.",
-                    stacklevel=2,
-                )
-            return path
-        if i + 1 == len(depths):
-            path.unlink(missing_ok=True)
-            raise FxnxValueError(
-                f"{path.name} would exceed Graphviz's {MAX_PIXELS}-pixel limit and be scaled down "
-                f"(blurry) at depth={depth}; use a smaller depth, a lower dpi, or write .svg or .pdf"
-            )
-    raise AssertionError("unreachable")
+    if depth_now != depth:
+        warnings.warn(
+            f"{G.graph.get('model', 'the graph')} is too large for a readable PNG; drew it "
+            f"with modules collapsed below depth {depth_now}. Write .svg or .pdf to see every "
+            "node, or pick depth= yourself.",
+            stacklevel=2,
+        )
+    _graphviz("neato", laid_out, "png", dpi, path, "-n2")
+    return path
+
+
+def _graphviz(
+    program: str, text: str, fmt: str, dpi: int | None = None, path: Path | None = None,
+    *flags: str,
+) -> str:
+    """Run a Graphviz program on DOT text; return what it printed (or write ``path``)."""
+    argv = [program, *flags, f"-T{fmt}"]
+    if dpi is not None:
+        argv.append(f"-Gdpi={dpi}")
+    if path is not None:
+        argv += ["-o", str(path)]
+    done = subprocess.run(argv, input=text.encode(), capture_output=True, check=False)
+    if done.returncode != 0:
+        raise FxnxValueError(f"Graphviz's {program} failed: {done.stderr.decode().strip()}")
+    return done.stdout.decode()
+
+
+def _least_pixels(G: nx.MultiDiGraph, dpi: int) -> float:
+    """A lower bound on the layout's length along its ranks: 0.3 inch a node, 0.3 between."""
+    return (nx.dag_longest_path_length(G) * 0.6 + 0.3) * dpi
+
+
+def _pixels(laid_out: str, dpi: int) -> tuple[int, int]:
+    """Width and height in pixels of a laid-out graph (its bounding box is in points)."""
+    found = re.search(r'bb="([-\d.]+),([-\d.]+),([-\d.]+),([-\d.]+)"', laid_out)
+    if found is None:
+        raise FxnxValueError("Graphviz returned a layout without a bounding box")
+    x0, y0, x1, y1 = map(float, found.groups())
+    return math.ceil((x1 - x0) * dpi / 72), math.ceil((y1 - y0) * dpi / 72)
 
 
 # --- collapsing modules -----------------------------------------------------------------------
@@ -191,27 +226,45 @@ def _module_depth(G: nx.MultiDiGraph) -> int:
 
 
 def _collapse(G: nx.MultiDiGraph, depth: int) -> nx.MultiDiGraph:
-    """Replace every module nested deeper than ``depth`` by one node for its ancestor at ``depth``."""
+    """Replace every module nested deeper than ``depth`` by one node for its ancestor at ``depth``.
+
+    A module whose calls would close a cycle once merged (one module called at
+    several places) is left expanded.
+    """
     if depth < 1:
         raise FxnxValueError(f"depth must be 1 or more, got {depth}")
-    modules = G.graph.get("modules", {})
     group: dict[str, str] = {}
     for node, data in G.nodes(data=True):
         parts = _path(data).split(".") if _path(data) else []
-        group[node] = ".".join(parts[:depth]) if len(parts) >= depth else node
+        leaf_call = data.get("op") == "call_module" and len(parts) == depth
+        group[node] = ".".join(parts[:depth]) if len(parts) >= depth and not leaf_call else node
+    while True:
+        H = _grouped(G, group)
+        if nx.is_directed_acyclic_graph(H):
+            break
+        cyclic = {u for u, *_ in nx.find_cycle(H)} - set(G)
+        group.update({n: n for n, g in group.items() if g in cyclic})
+    from .analysis import skip_connections
+
+    skip_connections(H)  # the skip connections still visible once modules are collapsed
+    return H
+
+
+def _grouped(G: nx.MultiDiGraph, group: dict[str, str]) -> nx.MultiDiGraph:
+    modules = G.graph.get("modules", {})
     H = nx.MultiDiGraph(**{k: v for k, v in G.graph.items() if k != "skip_connections"})
     for node in topological_order(G):
         key, data = group[node], G.nodes[node]
         if key == node:
             H.add_node(node, **_without_roles(data))
-        elif key not in H:
+            continue
+        if key not in H:
             H.add_node(key, op="module", target=key, module_type=modules.get(key),
                        scope=key.rpartition(".")[0], order=data.get("order"), members=0)
-        if key != node:
-            H.nodes[key]["members"] += 1
-            for attr in ("credit_norm", "out_shape"):  # the value at the module's output
-                if data.get(attr) is not None:
-                    H.nodes[key][attr] = data[attr]
+        H.nodes[key]["members"] += 1
+        for attr in ("credit_norm", "out_shape"):  # the value at the module's output
+            if data.get(attr) is not None:
+                H.nodes[key][attr] = data[attr]
     seen = set()
     for u, v, data in G.edges(data=True):
         gu, gv = group[u], group[v]
@@ -219,19 +272,11 @@ def _collapse(G: nx.MultiDiGraph, depth: int) -> nx.MultiDiGraph:
             continue
         seen.add((gu, gv, str(data.get("shape"))))
         H.add_edge(gu, gv, **_without_roles(data))
-    from .analysis import skip_connections
-
-    skip_connections(H)  # the skip connections still visible once modules are collapsed
     return H
 
 
 def _without_roles(data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in ("branch_role", "branch_merge")}
-
-
-def _estimated_pixels(G: nx.MultiDiGraph, dpi: int) -> float:
-    """Height of a top-to-bottom layout: about 0.75 inch a rank."""
-    return (nx.dag_longest_path_length(G) + 2) * 0.75 * dpi
 
 
 # --- styles -----------------------------------------------------------------------------------
@@ -250,7 +295,10 @@ def _kind(data: dict[str, Any]) -> str:
 
 def _node_style(node: str, data: dict[str, Any], scale: _Scale | None) -> dict[str, str]:
     kind = _kind(data)
-    name = data["target"] if data.get("op") == "module" else node
+    name = node
+    if data.get("op") == "module":  # inside its parent's box, the last part of the path says it
+        last = data["target"].rpartition(".")[2]
+        name = data["target"] if last.isdigit() else last
     lines = [f"<B>{html.escape(str(name))}</B>"]
     if kind and kind != name:
         lines.append(f'<FONT POINT-SIZE="10">{html.escape(kind)}</FONT>')

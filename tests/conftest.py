@@ -9,6 +9,15 @@ import pytest
 import torch
 import torchvision
 
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite the golden DOT files in tests/golden from the current code (review the diff)",
+    )
+
+
 #: The torchvision classifiers the contract is checked on, with readable test ids.
 TORCHVISION = ["resnet18", "resnet50", "densenet121", "mobilenet_v3_small", "vit_b_16"]
 
