@@ -11,7 +11,6 @@ from __future__ import annotations
 import html
 import math
 import os
-import re
 import shutil
 import subprocess
 import warnings
@@ -113,14 +112,14 @@ def to_pydot(
     return dot
 
 
-def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 150, **options: Any) -> Path:
+def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **options: Any) -> Path:
     """Draw ``G`` to ``path``: PNG, SVG or PDF by its suffix, or DOT text for ``.dot``/``.gv``.
 
-    Options are those of :func:`to_pydot`. A graph too tall or wide for a PNG
+    ``dpi`` is Graphviz's default 96; ask for 200 or more for print. Options are
+    those of :func:`to_pydot`. A graph too tall or wide for a PNG
     (Graphviz's 32,767-pixel limit), or too dense to read (over 1,000 edges),
     is drawn collapsed to the deepest module level that fits, with a warning,
-    never scaled down into a blur; SVG and PDF have no such limit. The layout
-    is measured before anything is rasterised.
+    never scaled down into a blur; SVG and PDF have no such limit.
 
     Raises
     ------
@@ -155,23 +154,24 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 150, **
     if fmt != "png":
         _graphviz("dot", to_pydot(G, depth=depth, **options).to_string(), fmt, dpi, path)
         return path
-    # Lay out first (fast), measure, and collapse until the PNG fits; then rasterise that layout.
+    # A cheap lower bound skips layouts that cannot fit; dot itself reports the rest.
     tries = [depth] if depth is not None else [None, *range(_module_depth(G) - 1, 0, -1)]
     for depth_now in tries:
+        last = depth_now == tries[-1]
         view = _collapse(G, depth_now) if depth_now is not None else G
-        too_big = _least_pixels(view, dpi) > MAX_PIXELS or view.number_of_edges() > MAX_EDGES
-        if depth_now != tries[-1] and too_big:
-            continue  # surely too large or too dense to read: spare Graphviz a long layout
-        laid_out = _graphviz("dot", to_pydot(view, **options).to_string(), "xdot")
-        width, height = _pixels(laid_out, dpi)
-        if max(width, height) <= MAX_PIXELS:
-            break
-    else:
-        raise FxnxValueError(
-            f"{path.name} would be {width}×{height} pixels, over Graphviz's {MAX_PIXELS}-pixel "
-            f"limit for PNG, at depth={depth_now} and dpi={dpi}: use a smaller depth or dpi, or "
-            "write .svg or .pdf"
-        )
+        fits = _least_pixels(view, dpi) <= MAX_PIXELS
+        if not last and (not fits or view.number_of_edges() > MAX_EDGES):
+            continue
+        if fits:
+            notes = _graphviz("dot", to_pydot(view, **options).to_string(), "png", dpi, path)
+            if "too large" not in notes:
+                break
+            path.unlink(missing_ok=True)  # dot scaled it down into a blur: not what was asked
+        if last:
+            raise FxnxValueError(
+                f"{path.name} would exceed Graphviz's {MAX_PIXELS}-pixel limit for PNG at "
+                f"depth={depth_now} and dpi={dpi}: use a smaller depth or dpi, or write .svg or .pdf"
+            )
     if depth_now != depth:
         warnings.warn(
             f"{G.graph.get('model', 'the graph')} is too large for a readable PNG; drew it "
@@ -179,38 +179,23 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 150, **
             "node, or pick depth= yourself.",
             stacklevel=2,
         )
-    _graphviz("neato", laid_out, "png", dpi, path, "-n2")
     return path
 
 
-def _graphviz(
-    program: str, text: str, fmt: str, dpi: int | None = None, path: Path | None = None,
-    *flags: str,
-) -> str:
-    """Run a Graphviz program on DOT text; return what it printed (or write ``path``)."""
-    argv = [program, *flags, f"-T{fmt}"]
-    if dpi is not None:
-        argv.append(f"-Gdpi={dpi}")
-    if path is not None:
-        argv += ["-o", str(path)]
-    done = subprocess.run(argv, input=text.encode(), capture_output=True, check=False)
+def _graphviz(program: str, text: str, fmt: str, dpi: int, path: Path) -> str:
+    """Run a Graphviz program on DOT text, writing ``path``; return its warnings."""
+    done = subprocess.run(
+        [program, f"-T{fmt}", f"-Gdpi={dpi}", "-o", str(path)],
+        input=text.encode(), capture_output=True, check=False,
+    )
     if done.returncode != 0:
         raise FxnxValueError(f"Graphviz's {program} failed: {done.stderr.decode().strip()}")
-    return done.stdout.decode()
+    return done.stderr.decode()
 
 
 def _least_pixels(G: nx.MultiDiGraph, dpi: int) -> float:
     """A lower bound on the layout's length along its ranks: 0.3 inch a node, 0.3 between."""
     return (nx.dag_longest_path_length(G) * 0.6 + 0.3) * dpi
-
-
-def _pixels(laid_out: str, dpi: int) -> tuple[int, int]:
-    """Width and height in pixels of a laid-out graph (its bounding box is in points)."""
-    found = re.search(r'bb="([-\d.]+),([-\d.]+),([-\d.]+),([-\d.]+)"', laid_out)
-    if found is None:
-        raise FxnxValueError("Graphviz returned a layout without a bounding box")
-    x0, y0, x1, y1 = map(float, found.groups())
-    return math.ceil((x1 - x0) * dpi / 72), math.ceil((y1 - y0) * dpi / 72)
 
 
 # --- collapsing modules -----------------------------------------------------------------------
@@ -332,7 +317,7 @@ def _edge_style(data: dict[str, Any]) -> dict[str, str]:
     style = {}
     shape = data.get("shape")
     if isinstance(shape, tuple):
-        style["label"] = " " + "×".join(map(str, shape)) + " "
+        style["xlabel"] = " " + "×".join(map(str, shape)) + " "
     role = data.get("branch_role")
     if role == "skip":
         style.update(color=SKIP, penwidth="2.5")

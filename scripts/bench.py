@@ -74,7 +74,41 @@ def bench_credit(runs: int) -> None:
     )
 
 
-BENCHMARKS = {"convert": bench_convert, "credit": bench_credit}
+def bench_draw(runs: int) -> None:
+    """ResNet-50 to PNG, end to end from the model: fxnx against torchview and FxGraphDrawer."""
+    import tempfile
+    from pathlib import Path
+
+    from torch.fx.passes.graph_drawer import FxGraphDrawer
+    from torchview import draw_graph
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(weights=None).eval()
+    x = torch.randn(1, 3, 224, 224)
+    out = Path(tempfile.mkdtemp())
+
+    def ours() -> None:
+        fxnx.draw(fxnx.convert(model, x), out / "fxnx.png")
+
+    def torchview() -> None:
+        graph = draw_graph(model, input_size=(1, 3, 224, 224), directory=str(out), device="cpu")
+        graph.visual_graph.render(filename="torchview", directory=str(out), format="png")
+
+    def fx_drawer() -> None:
+        gm = fx.symbolic_trace(model)
+        FxGraphDrawer(gm, "resnet50").get_dot_graph().write_png(str(out / "fx.png"))
+
+    runs = max(3, runs // 2)
+    t_ours, t_view = _interleaved(ours, torchview, runs)
+    _, t_fx = _interleaved(ours, fx_drawer, runs)
+    print(
+        f"draw(resnet50) to PNG: {t_ours / t_view:.2f}x of torchview, {t_ours / t_fx:.2f}x of "
+        f"FxGraphDrawer (median of {runs}: {t_ours:.2f} s, {t_view:.2f} s, {t_fx:.2f} s; "
+        "target: faster than both)"
+    )
+
+
+BENCHMARKS = {"convert": bench_convert, "credit": bench_credit, "draw": bench_draw}
 
 
 def main() -> None:

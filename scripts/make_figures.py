@@ -33,14 +33,14 @@ def main() -> None:
     x = torch.randn(2, 3, 224, 224)
     G = fxnx.convert(resnet18, x)
     fxnx.draw(G, out / "resnet18_skips.png", dpi=100)
-    fxnx.draw(fxnx.scope_subgraph(G, "layer2"), out / "resnet18_layer2.png")
+    fxnx.draw(fxnx.scope_subgraph(G, "layer2"), out / "resnet18_layer2.png", dpi=150)
 
     # Credit: exact against feedback alignment on ResNet-18, and the credit on the drawing.
     exact = fxnx.route_credit(G, resnet18, x)
     fa = fxnx.route_credit(G, resnet18, x, rule="feedback_alignment", seed=0)
     fxnx.route_credit(G, resnet18, x)  # leave the exact credit norms on G for the drawing
     fxnx.draw(fxnx.scope_subgraph(G, "layer2"), out / "resnet18_layer2_credit.png",
-              color_by="credit_norm")
+              color_by="credit_norm", dpi=150)
     ax = fxnx.plot_credit_by_depth(G, {"exact (backprop)": exact.norms(),
                                        "feedback alignment": fa.norms()})
     ax.set_title("ResNet-18: credit norm by depth", fontsize=8)
@@ -52,13 +52,13 @@ def main() -> None:
     # ResNet-50 collapsed to its stages.
     resnet50 = torchvision.models.resnet50(weights=None).eval()
     G50 = fxnx.convert(resnet50, torch.randn(1, 3, 224, 224))
-    fxnx.draw(G50, out / "resnet50_stages.png", depth=1)
+    fxnx.draw(G50, out / "resnet50_stages.png", depth=1, dpi=150)
 
     # DenseNet-121: the first dense block, each dense layer collapsed to one node.
     densenet = torchvision.models.densenet121(weights=None).eval()
     Gd = fxnx.convert(densenet, torch.randn(1, 3, 224, 224))
     fxnx.draw(fxnx.scope_subgraph(Gd, "features.denseblock1"), out / "densenet121_block1.png",
-              depth=3)
+              depth=3, dpi=150)
     for path in sorted(out.glob("*.png")):
         print(path)
 
