@@ -33,7 +33,15 @@ from .errors import (
     FxnxValueError,
     ShapePropagationError,
 )
-from .io import GraphFileError, UnsafePickleError, read_pickle, write_pickle
+from .io import (
+    GraphFileError,
+    UnsafePickleError,
+    read_json,
+    read_pickle,
+    write_graphml,
+    write_json,
+    write_pickle,
+)
 from .plot import plot_alignment, plot_census, plot_credit_by_depth
 from .render import GraphvizNotFoundError, draw, to_pydot
 
@@ -90,6 +98,7 @@ __all__ = [
     "plot_alignment",
     "plot_census",
     "plot_credit_by_depth",
+    "read_json",
     "read_pickle",
     "register_rule",
     "route_credit",
@@ -99,6 +108,8 @@ __all__ = [
     "summary",
     "to_pydot",
     "topological_order",
+    "write_graphml",
+    "write_json",
     "write_pickle",
 ]
 

@@ -76,7 +76,8 @@ def test_malformed_shape_is_a_usage_error(shape, capsys):
 
 
 def test_help_on_every_command(capsys):
-    for argv in (["--help"], ["convert", "--help"], ["info", "--help"]):
+    for argv in (["--help"], ["convert", "--help"], ["info", "--help"], ["draw", "--help"],
+                 ["credit", "--help"]):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 0
@@ -94,3 +95,79 @@ def test_real_process_convert_then_info_without_torch(tmp_path):
     info = run_without_torch("from fxnx.cli import main; raise SystemExit(main())", "info", str(out))
     assert info.returncode == 0, info.stderr
     assert "skip connections      8" in info.stdout
+
+
+def test_batch_convert_to_a_folder_with_json_and_png(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("fxnx.cli._interactive", lambda: True)
+    out = tmp_path / "graphs"
+    argv = ["convert", "resnet18", "mobilenet_v3_small", "--input-shape", "1,3,32,32",
+            "-o", str(out), "--json", "--png"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "[1/2] resnet18" in captured.err and "[2/2] mobilenet_v3_small" in captured.err
+    assert "== resnet18" in captured.out and "== mobilenet_v3_small" in captured.out
+    for name in ("resnet18", "mobilenet_v3_small"):
+        G = fxnx.read_pickle(out / f"{name}.pkl")
+        assert G.graph["inputs"][0]["shape"] == (1, 3, 32, 32)
+        assert fxnx.read_json(out / f"{name}.json").number_of_edges() == G.number_of_edges()
+        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_stays_off_the_output_when_not_on_a_terminal(capsys):
+    assert main(["convert", "resnet18"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_info_reads_json(tmp_path, capsys):
+    main(["convert", "resnet18", "--input-shape", "1,3,32,32", "-o", str(tmp_path / "r.pkl"),
+          "--json"])
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "r.json")]) == 0
+    assert "skip connections      8" in capsys.readouterr().out
+
+
+def test_credit_routes_and_draws(tmp_path, capsys):
+    out = tmp_path / "credit.png"
+    argv = ["credit", "resnet18", "--input-shape", "2,3,32,32", "--rule", "feedback_alignment",
+            "-o", str(out), "--graph", str(tmp_path / "g.pkl")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "rule feedback_alignment: exact on 49 nodes, feedback_alignment on 21 nodes" in text  # 60 + 9 + output - 21
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    G = fxnx.read_pickle(tmp_path / "g.pkl")
+    assert G.graph["credit_rule"] == "feedback_alignment"
+    assert all(v > 0 for _, v in G.nodes(data="credit_norm") if v is not None)
+
+
+def test_credit_with_an_unknown_rule_is_one_line(capsys):
+    assert main(["credit", "resnet18", "--input-shape", "1,3,32,32", "--rule", "nope"]) == 1
+    assert "unknown rule 'nope'; known rules:" in capsys.readouterr().err
+
+
+def test_draw_a_saved_graph_without_torch(tmp_path):
+    main(["convert", "resnet50", "--input-shape", "1,3,32,32", "-o", str(tmp_path / "r.pkl")])
+    code = "from fxnx.cli import main; raise SystemExit(main())"
+    done = run_without_torch(code, "draw", str(tmp_path / "r.pkl"), "-o", str(tmp_path / "r.png"),
+                             "--depth", "1")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    done = run_without_torch(code, "draw", str(tmp_path / "r.pkl"), "-o", str(tmp_path / "r.dot"))
+    assert done.returncode == 0 and "layer4_2_conv3" in (tmp_path / "r.dot").read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["draw", "missing.pkl"], "No such file"),
+     (["draw", "{pkl}", "-o", "x.jpeg"], r"give a \.png, \.svg, \.pdf or \.dot"),
+     (["draw", "{pkl}", "--color-by", "credit_norm"], "run fxnx.route_credit on G first")],
+)
+def test_draw_errors_are_one_line(argv, message, tmp_path, capsys):
+    pkl = tmp_path / "g.pkl"
+    main(["convert", "resnet18", "--input-shape", "1,3,32,32", "-o", str(pkl)])
+    capsys.readouterr()
+    argv = [a.replace("{pkl}", str(pkl)) for a in argv]
+    assert main(argv) == 1
+    import re
+
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err

@@ -113,3 +113,49 @@ def test_writing_torch_objects_is_refused_and_nothing_is_written(tmp_path):
     assert G.graph["dtype"] is torch.float32
     with pytest.raises(TypeError, match="needs a networkx graph"):
         fxnx.write_pickle({"not": "a graph"}, path)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_json_round_trip_keeps_tuples_and_keys(name, tmp_path):
+    case = CASES[name]
+    G = fxnx.convert(case.build(), *case.inputs(), kwargs=case.kwargs())
+    fxnx.skip_connections(G)
+    fxnx.write_json(G, tmp_path / "g.json")
+    assert_graphs_equal(fxnx.read_json(tmp_path / "g.json"), G)
+
+
+def test_json_round_trip_resnet18_with_credit(torchvision_model, tmp_path):
+    model = torchvision_model("resnet18")
+    x = torch.randn(1, 3, 32, 32)
+    G = fxnx.convert(model, x)
+    fxnx.route_credit(G, model, x)
+    fxnx.write_json(G, tmp_path / "g.json")
+    H = fxnx.read_json(tmp_path / "g.json")
+    assert_graphs_equal(H, G)
+    assert type(H.edges["maxpool", "add", 0]["shape"]) is tuple
+    assert type(H.nodes["add"]["credit_norm"]) is float
+
+
+def test_json_errors(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text('{"directed": true, "multigraph": true, "graph": {}, "nodes": [')
+    with pytest.raises(fxnx.GraphFileError, match="not a readable fxnx JSON graph"):
+        fxnx.read_json(path)
+    fxnx.write_json(nx.MultiDiGraph(format_version=fxnx.FORMAT_VERSION + 1), path)
+    with pytest.raises(fxnx.GraphFileError, match="upgrade fxnx"):
+        fxnx.read_json(path)
+    with pytest.raises(fxnx.FxnxValueError, match="JSON cannot write"):
+        fxnx.write_json(nx.MultiDiGraph(bad=float("nan")), tmp_path / "nan.json")
+
+
+def test_graphml_export_loads_in_networkx(torchvision_model, tmp_path):
+    G = fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 3, 32, 32))
+    fxnx.write_graphml(G, tmp_path / "g.graphml")
+    H = nx.read_graphml(tmp_path / "g.graphml", force_multigraph=True)
+    assert H.number_of_nodes() == G.number_of_nodes()
+    assert H.number_of_edges() == G.number_of_edges()
+    assert H.nodes["conv1"]["module_type"] == "torch.nn.modules.conv.Conv2d"
+    assert H.nodes["conv1"]["num_params"] == 9408
+    import json
+
+    assert json.loads(H.nodes["conv1"]["out_shape"]) == {"__tuple__": [1, 64, 16, 16]}
