@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
 
-__all__ = ["bind_call", "occurrences", "qualified_name", "to_plain"]
+__all__ = ["bind_call", "fetch_attr", "occurrences", "qualified_name", "to_plain"]
 
 
 def bind_call(node: fx.Node, gm: fx.GraphModule) -> tuple[dict[str, Any], list[str | None]]:
@@ -98,6 +98,12 @@ def _walk(value: Any, label: str) -> Iterator[tuple[str, fx.Node]]:
     elif isinstance(value, slice):
         for part in ("start", "stop", "step"):
             yield from _walk(getattr(value, part), f"{label}.{part}")
+
+
+def fetch_attr(gm: fx.GraphModule, path: str) -> Any:
+    """What a ``get_attr`` node with target ``path`` reads: ``gm.a.b.c`` for ``"a.b.c"``."""
+    owner, _, name = path.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _try_bind(sig: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from ._callinfo import bind_call, occurrences, qualified_name
+from ._callinfo import bind_call, fetch_attr, occurrences, qualified_name
 from ._version import FORMAT_VERSION, __version__
 from .tracing import Capture, LeafSpec, capture
 
@@ -194,11 +194,6 @@ def _num_params(node: fx.Node, gm: fx.GraphModule) -> int:
     if node.op == "call_module":
         return sum(p.numel() for p in gm.get_submodule(node.target).parameters())  # type: ignore[arg-type]
     if node.op == "get_attr":
-        value = _get_attr(gm, str(node.target))
+        value = fetch_attr(gm, str(node.target))
         return value.numel() if isinstance(value, nn.Parameter) else 0
     return 0
-
-
-def _get_attr(gm: fx.GraphModule, path: str) -> Any:
-    owner, _, name = path.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name, None)

@@ -108,7 +108,52 @@ def bench_draw(runs: int) -> None:
     )
 
 
-BENCHMARKS = {"convert": bench_convert, "credit": bench_credit, "draw": bench_draw}
+_READ_WITHOUT_TORCH = """
+import sys, time, statistics, pickle
+sys.modules["torch"] = None  # importing torch now fails
+import fxnx
+def median(fn):
+    fn()
+    times = []
+    for _ in range({runs}):
+        start = time.perf_counter(); fn(); times.append(time.perf_counter() - start)
+    return statistics.median(times)
+ours = median(lambda: fxnx.read_pickle({pkl!r}))
+plain = median(lambda: pickle.load(open({pkl!r}, "rb")))
+js = median(lambda: fxnx.read_json({json!r}))
+print(ours, plain, js)
+"""
+
+
+def bench_files(runs: int) -> None:
+    """Reading the ResNet-152 graph without torch: target < 50 ms; pickle and JSON sizes."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    G = fxnx.convert(torchvision.models.resnet152(weights=None).eval(), torch.randn(1, 3, 224, 224))
+    out = Path(tempfile.mkdtemp())
+    pkl, js = out / "resnet152.pkl", out / "resnet152.json"
+    fxnx.write_pickle(G, pkl)
+    fxnx.write_json(G, js)
+    code = _READ_WITHOUT_TORCH.format(runs=runs, pkl=str(pkl), json=str(js))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ours, plain, js_time = map(float, done.stdout.split())
+    print(
+        f"read ResNet-152 graph ({G.number_of_nodes()} nodes) without torch: read_pickle "
+        f"{ours * 1e3:.1f} ms (target < 50 ms; {ours / plain:.2f}x of plain pickle.load), "
+        f"read_json {js_time * 1e3:.1f} ms ({js_time / ours:.1f}x of read_pickle); files: "
+        f"pickle {pkl.stat().st_size / 1024:.0f} KiB, JSON {js.stat().st_size / 1024:.0f} KiB"
+    )
+
+
+BENCHMARKS = {
+    "convert": bench_convert,
+    "credit": bench_credit,
+    "draw": bench_draw,
+    "files": bench_files,
+}
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import torch
 import fxnx
 
 from blocktorch import run_without_torch
-from conftest import assert_graphs_equal
+from conftest import TORCHVISION, assert_graphs_equal
 from zoo import CASES
 
 
@@ -159,3 +159,14 @@ def test_graphml_export_loads_in_networkx(torchvision_model, tmp_path):
     import json
 
     assert json.loads(H.nodes["conv1"]["out_shape"]) == {"__tuple__": [1, 64, 16, 16]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_round_trip_torchvision_pickle_and_json(name, torchvision_model, tmp_path):
+    G = fxnx.convert(torchvision_model(name), torch.randn(1, 3, 224, 224))
+    fxnx.skip_connections(G)
+    fxnx.write_pickle(G, tmp_path / "g.pkl")
+    fxnx.write_json(G, tmp_path / "g.json")
+    assert_graphs_equal(fxnx.read_pickle(tmp_path / "g.pkl"), G)
+    assert_graphs_equal(fxnx.read_json(tmp_path / "g.json"), G)

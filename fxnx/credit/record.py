@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .._callinfo import bind_call, occurrences
+from .._callinfo import bind_call, fetch_attr, occurrences
 
 __all__ = ["NodeCall", "record"]
 
@@ -190,7 +190,7 @@ def record(
             env[node] = next(feed)
             continue
         if node.op == "get_attr":
-            env[node] = _fetch(gm, node.target)  # type: ignore[arg-type]
+            env[node] = fetch_attr(gm, node.target)  # type: ignore[arg-type]
             continue
         leaves: list[Any] = []
 
@@ -253,8 +253,3 @@ def _call(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> An
         self_obj, *rest = args
         return getattr(self_obj, node.target)(*rest, **kwargs)  # type: ignore[arg-type]
     return node.target(*args, **kwargs)  # type: ignore[operator]
-
-
-def _fetch(gm: fx.GraphModule, path: str) -> Any:
-    owner, _, name = path.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
