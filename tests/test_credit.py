@@ -494,3 +494,38 @@ def test_output_credit_of_the_wrong_shape_is_refused():
         fxnx.route_credit(G, model, x, output_credit=torch.ones(3))
     with pytest.raises(TypeError, match="MultiDiGraph"):
         fxnx.route_credit(nx.DiGraph(), model, x)
+
+
+class _MethodInplace(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.inplace = inplace
+
+    def forward(self, x):
+        h = self.lin(x)
+        h = h.relu_() if self.inplace else h.relu()
+        return h * 2 + x
+
+
+class _HiddenInplace(nn.Module):
+    """A leaf module whose in-place write fxnx cannot see from the graph."""
+
+    def forward(self, x):
+        y = x.clone() if not self.training else x
+        return y.mul_(3) if self.training else y.mul(3)
+
+
+def test_method_and_hidden_inplace_writes_route_as_out_of_place():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    on, off = _MethodInplace(True).double(), _MethodInplace(False).double()
+    off.load_state_dict(on.state_dict())
+    on_res = fxnx.route_credit(fxnx.convert(on, x), on, x)
+    off_res = fxnx.route_credit(fxnx.convert(off, x), off, x)
+    assert torch.equal(on_res.node_credit["x"], off_res.node_credit["x"])
+    assert torch.equal(on_res.param_credit["lin.weight"], off_res.param_credit["lin.weight"])
+    outer = nn.Sequential(nn.Linear(4, 4), _HiddenInplace()).double()
+    G = fxnx.convert(outer, x, leaf_modules=[_HiddenInplace])
+    res = fxnx.route_credit(G, outer, x, leaf_modules=[_HiddenInplace])  # train: writes in place
+    assert torch.equal(res.node_credit["_0"], torch.full((3, 4), 3.0, dtype=torch.float64))

@@ -11,7 +11,8 @@ the NetworkX graph rather than torch's autograd graph, at the cost of one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,14 +150,17 @@ def _clone_tensors(value: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
 
 
-def _mutates_input(node: fx.Node, module: nn.Module | None) -> bool:
-    """Whether the call writes into an input: ReLU(inplace=True), F.relu(x, inplace=True), x.add_()."""
-    if module is not None and getattr(module, "inplace", False) is True:
-        return True
-    if node.kwargs.get("inplace") is True:
-        return True
-    target = node.target
-    return node.op == "call_method" and target.endswith("_") and not target.startswith("__")  # type: ignore[union-attr]
+@contextlib.contextmanager
+def _out_of_place(module: nn.Module | None) -> Iterator[None]:
+    """Switch a module's ``inplace`` flag off for one call (the leaves must stay intact)."""
+    if module is None or getattr(module, "inplace", None) is not True:
+        yield
+        return
+    module.inplace = False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.inplace = True  # type: ignore[assignment]
 
 
 def record(
@@ -233,23 +237,29 @@ def record(
 
 
 def _run(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
-    """Call the node's target; an in-place call runs on copies so the leaves stay intact."""
-    if _mutates_input(node, module):
-        args, kwargs = _clone_tensors(args), _clone_tensors(kwargs)
-    with torch.enable_grad():
+    """Call the node's target, out of place: ``ReLU(inplace=True)``, ``F.relu(x, inplace=True)``
+    and ``x.relu_()`` run as their out-of-place forms, so the leaves stay intact and credit is
+    that of in-place off (the values are the same)."""
+    target = node.target
+    if kwargs.get("inplace") is True:
+        kwargs = {**kwargs, "inplace": False}
+    if node.op == "call_method" and target.endswith("_") and not target.startswith("__"):  # type: ignore[union-attr]
+        if hasattr(torch.Tensor, target[:-1]):  # type: ignore[index]
+            target = target[:-1]  # type: ignore[index]
+    with torch.enable_grad(), _out_of_place(module):
         try:
-            return _call(node, module, args, kwargs)
+            return _call(node.op, target, module, args, kwargs)
         except RuntimeError as err:
             if "in-place" not in str(err):
                 raise
             # An in-place write we could not see coming (inside a custom leaf module).
-            return _call(node, module, _clone_tensors(args), _clone_tensors(kwargs))
+            return _call(node.op, target, module, _clone_tensors(args), _clone_tensors(kwargs))
 
 
-def _call(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
+def _call(op: str, target: Any, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
     if module is not None:
         return module(*args, **kwargs)
-    if node.op == "call_method":
+    if op == "call_method":
         self_obj, *rest = args
-        return getattr(self_obj, node.target)(*rest, **kwargs)  # type: ignore[arg-type]
-    return node.target(*args, **kwargs)  # type: ignore[operator]
+        return getattr(self_obj, target)(*rest, **kwargs)
+    return target(*args, **kwargs)
