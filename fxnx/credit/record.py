@@ -181,7 +181,7 @@ def record(
     calls : dict
         Node name to NodeCall, for every node but placeholders and get_attr.
     values : dict
-        Node name to the value it produced (placeholders and get_attr included).
+        Node name to the value of each placeholder and get_attr node (credit ends there).
     output : Any
         The model's output.
     """
@@ -232,7 +232,7 @@ def record(
             output=out,
             params=params,
         )
-    values = {node.name: value for node, value in env.items()}
+    values = {node.name: value for node, value in env.items() if node.name not in calls}
     return calls, values, output
 
 

@@ -164,7 +164,6 @@ def route_credit(
     # Buffers are restored only after the backward: eval-mode BatchNorm's backward reads them.
     with preserved(model):
         calls, values, output = record(cap.gm, cap.inputs or [], param_names)
-        values = {n: v for n, v in values.items() if n not in calls}  # only inputs and get_attr
         credit_at_output = _output_credit(output, output_credit)
         node_credit, param_credit, used = _backward(
             G, calls, values, credit_at_output, param_names, by_name, by_kind, rule, state
