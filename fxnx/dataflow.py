@@ -6,7 +6,7 @@ Nothing here runs the model: it reads the fx graph and the metadata that
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
@@ -27,6 +27,9 @@ def convert(
     kwargs: Mapping[str, Any] | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
     concrete_args: Mapping[str, Any] | None = None,
+    input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    dtype: torch.dtype = torch.float32,
+    fake: bool = False,
 ) -> nx.MultiDiGraph:
     """Convert a PyTorch model into a graph of its dataflow.
 
@@ -43,6 +46,14 @@ def convert(
         Submodules to keep as single nodes instead of tracing through them.
     concrete_args : mapping, optional
         Inputs fixed to constants while tracing, as in ``torch.fx.symbolic_trace``.
+    input_shape : shape or list of shapes, optional
+        Instead of example inputs: one shape per positional input (``dtype``,
+        on the model's device). With a model built on the ``meta`` device,
+        nothing is allocated or computed: models too big to run convert in seconds.
+    dtype : torch.dtype
+        The dtype of the inputs made from ``input_shape``.
+    fake : bool
+        Propagate shapes with fake tensors (no real compute) for a real model.
 
     Returns
     -------
@@ -74,6 +85,9 @@ def convert(
         kwargs,
         leaf_modules=leaf_modules,
         concrete_args=concrete_args,
+        input_shape=input_shape,
+        dtype=dtype,
+        fake=fake,
     )
     return graph_from_capture(cap)
 
@@ -121,7 +135,7 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
         torch_version=str(torch.__version__),
         model=modules[""],
         capture=cap.method,
-        shape_source="ShapeProp" if cap.propagated else None,
+        shape_source=cap.shape_source,
         inputs=[
             {"name": node.target, "shape": G.nodes[node.name]["out_shape"],
              "dtype": G.nodes[node.name]["out_dtype"]}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._pytree import tree_map
@@ -50,6 +51,8 @@ class Capture:
         Whether example inputs were run through the graph.
     inputs : list or None
         The example inputs as one value per placeholder, in order; None without inputs.
+    shape_source : str or None
+        ``"ShapeProp"`` (real tensors), ``"FakeTensor"`` or ``"meta"``; None without shapes.
     """
 
     gm: fx.GraphModule
@@ -57,6 +60,7 @@ class Capture:
     method: str
     propagated: bool
     inputs: list[Any] | None = None
+    shape_source: str | None = None
 
 
 def capture(
@@ -67,6 +71,9 @@ def capture(
     leaf_modules: Iterable[LeafSpec] = (),
     concrete_args: Mapping[str, Any] | None = None,
     propagate: bool = True,
+    input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    dtype: torch.dtype = torch.float32,
+    fake: bool = False,
 ) -> Capture:
     """Trace ``model`` with torch.fx and propagate example inputs through it.
 
@@ -86,6 +93,12 @@ def capture(
         ``torch.fx.symbolic_trace``; use it for flags that select a branch.
     propagate : bool
         Run the example inputs through the graph to record shapes (default).
+    input_shape : shape or list of shapes, optional
+        Instead of example inputs: the shape of each positional input, made as
+        empty tensors of ``dtype`` on the model's device.
+    fake : bool
+        Propagate fake tensors (``FakeTensorMode``): shapes without real compute
+        or memory. A model on the ``meta`` device propagates meta tensors anyway.
 
     Returns
     -------
@@ -122,6 +135,10 @@ def capture(
         raise FxnxTypeError(
             f"model must be a torch.nn.Module or a callable, got {type(model).__qualname__}.{hint}"
         )
+    if input_shape is not None:
+        if args:
+            raise FxnxTypeError("give example inputs or input_shape, not both")
+        args = _empty_inputs(model, input_shape, dtype)
     inputs = _bind_inputs(model, args, kwargs, concrete_args or {})
     if isinstance(model, fx.GraphModule):
         gm, method = _copy_graph_module(model), "graph_module"
@@ -129,8 +146,11 @@ def capture(
         gm, method = _trace(model, leaf_modules, dict(concrete_args or {})), "symbolic_trace"
     run = propagate and inputs is not None
     if run:
-        _propagate(gm, model, inputs)
-    return Capture(gm=gm, model=model, method=method, propagated=run, inputs=inputs)
+        _propagate(gm, model, inputs, fake)
+    return Capture(
+        gm=gm, model=model, method=method, propagated=run, inputs=inputs,
+        shape_source=(_shape_source(model, fake) if run else None),
+    )
 
 
 class _Tracer(fx.Tracer):
@@ -323,7 +343,7 @@ class _ShapeProp(fx.Interpreter):
         meta = map_aggregate(result, extract)
         if tensors:
             n.meta["tensor_meta"] = meta
-        n.meta["type"] = type(result)
+        n.meta["type"] = torch.Tensor if isinstance(result, FakeTensor) else type(result)
         return result
 
 
@@ -340,7 +360,31 @@ def _describe_value(value: Any) -> Any:
     return value
 
 
-def _propagate(gm: fx.GraphModule, model: Any, inputs: list[Any]) -> None:
-    """Run ShapeProp without leaving a trace on the model, its buffers or the RNG."""
+def _propagate(gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool) -> None:
+    """Run the inputs through the graph without leaving a trace on the model, buffers or RNG."""
     with preserved(model), torch.no_grad():
-        _ShapeProp(gm).run(*inputs)
+        if fake and _device(model).type != "meta":
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+                _ShapeProp(gm).run(*fakes)
+        else:
+            _ShapeProp(gm).run(*inputs)
+
+
+def _device(model: Any) -> torch.device:
+    if isinstance(model, nn.Module):
+        for tensor in (*model.parameters(), *model.buffers()):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _shape_source(model: Any, fake: bool) -> str:
+    if _device(model).type == "meta":
+        return "meta"
+    return "FakeTensor" if fake else "ShapeProp"
+
+
+def _empty_inputs(model: Any, input_shape: Sequence[Any], dtype: torch.dtype) -> tuple[Any, ...]:
+    shapes = [input_shape] if all(isinstance(d, int) for d in input_shape) else list(input_shape)
+    device = _device(model)
+    return tuple(torch.empty(tuple(shape), dtype=dtype, device=device) for shape in shapes)

@@ -148,11 +148,104 @@ def bench_files(runs: int) -> None:
     )
 
 
+_META_DECODER = """
+import resource, sys, time
+import torch
+from torch import nn
+import fxnx
+
+class Block(nn.Module):
+    def __init__(self, d, heads, hidden):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.gate, self.up, self.down = nn.Linear(d, hidden), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        h = self.ln2(x)
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+class Decoder(nn.Module):
+    def __init__(self, vocab=32000, d=4096, heads=32, hidden=11008, layers=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads, hidden) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        n = tokens.size(1)
+        mask = torch.full((n, n), float("-inf"), device=tokens.device).triu(1)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+start = time.perf_counter()
+with torch.device("meta"):
+    model = Decoder()
+G = fxnx.convert(model, torch.zeros(1, 2048, dtype=torch.long, device="meta"))
+wall = time.perf_counter() - start
+print(G.graph["num_params"], G.number_of_nodes(), wall,
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def bench_meta(runs: int) -> None:
+    """A ~7B-parameter decoder on the meta device: wall time and peak memory of a fresh process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _META_DECODER], capture_output=True, text=True,
+                          check=True)
+    params, nodes, wall, peak = done.stdout.split()
+    print(
+        f"convert a {int(params) / 1e9:.2f}B-parameter decoder on the meta device ({nodes} nodes, "
+        f"sequence 2048): {float(wall):.1f} s including building it, peak memory of the whole "
+        f"process {float(peak):.0f} MiB (targets: under a minute, under 2 GB)"
+    )
+
+
+class _Stack(torch.nn.Module):
+    """A family of models of any size: residual MLP blocks, 6 nodes each."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+            for _ in range(blocks)
+        )
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = self.norm(x + block(x))
+        return x
+
+
+def bench_scale(runs: int) -> None:
+    """Conversion of a 10,000-node model against a 1,000-node one of the same family: ≤ 12×."""
+    x = torch.randn(4, 16)
+    small, large = _Stack(200), _Stack(2000)
+    n_small = fxnx.convert(small, x).number_of_nodes()
+    n_large = fxnx.convert(large, x).number_of_nodes()
+    t_large, t_small = _interleaved(
+        lambda: fxnx.convert(large, x), lambda: fxnx.convert(small, x), max(3, runs // 2)
+    )
+    print(
+        f"convert {n_large} nodes vs {n_small} nodes: {t_large / t_small:.1f}x "
+        f"({t_large:.2f} s vs {t_small:.2f} s; target <= 12x, linear is 10x)"
+    )
+
+
 BENCHMARKS = {
     "convert": bench_convert,
     "credit": bench_credit,
     "draw": bench_draw,
     "files": bench_files,
+    "meta": bench_meta,
+    "scale": bench_scale,
 }
 
 

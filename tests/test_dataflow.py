@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.fx as fx
+import torchvision
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
@@ -310,3 +311,46 @@ def test_float64_model_records_float64():
     assert {d["dtype"] for *_, d in G.edges(data=True)} == {"torch.float64"}
     assert G.nodes["_0"]["out_shape"] == (1, 3)
     assert G.graph["inputs"][0]["dtype"] == "torch.float64"
+
+
+# --- without real compute: fake tensors and meta-device models ---------------------------------
+
+
+def _shapes(G):
+    nodes = [(n, d["out_shape"], d["out_dtype"], d["out_type"]) for n, d in G.nodes(data=True)]
+    edges = sorted((u, v, k, d["shape"], d["dtype"], d["nbytes"]) for u, v, k, d in G.edges(keys=True, data=True))
+    return nodes, edges
+
+
+def test_fake_tensors_give_the_shapes_of_a_real_run(torchvision_model):
+    model = torchvision_model("resnet18")
+    real = fxnx.convert(model, torch.randn(2, 3, 64, 64))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fake = fxnx.convert(model, input_shape=(2, 3, 64, 64), fake=True)
+    assert _shapes(fake) == _shapes(real)
+    assert fake.graph["shape_source"] == "FakeTensor" and real.graph["shape_source"] == "ShapeProp"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert_graph_plain(fake)
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vit_b_16"])
+def test_a_meta_device_model_converts_with_real_shapes(name, torchvision_model):
+    with torch.device("meta"):
+        meta_model = torchvision.models.get_model(name, weights=None).eval()
+    assert next(meta_model.parameters()).is_meta
+    G = fxnx.convert(meta_model, input_shape=(1, 3, 224, 224))
+    real = fxnx.convert(torchvision_model(name), torch.randn(1, 3, 224, 224))
+    assert _shapes(G) == _shapes(real)
+    assert G.graph["shape_source"] == "meta"
+    assert G.graph["num_params"] == real.graph["num_params"]
+    assert_graph_plain(G)
+
+
+def test_input_shape_for_several_inputs_and_its_errors():
+    def f(x, y):
+        return torch.cat([x, y], dim=1)
+
+    G = fxnx.convert(f, input_shape=[(2, 3), (2, 5)], dtype=torch.float64)
+    assert G.nodes["cat"]["out_shape"] == (2, 8) and G.nodes["cat"]["out_dtype"] == "torch.float64"
+    with pytest.raises(fxnx.FxnxTypeError, match="example inputs or input_shape, not both"):
+        fxnx.convert(f, torch.zeros(2, 3), input_shape=[(2, 3), (2, 5)])
