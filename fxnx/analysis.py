@@ -220,11 +220,11 @@ def _annotate(G: nx.MultiDiGraph, skips: list[SkipConnection]) -> None:
             for node in branch:
                 G.nodes[node].setdefault("branch_role", role)
                 G.nodes[node].setdefault("branch_merge", s.merge)
-            for u, v, data in G.edges(data=True):
-                if (u == s.fork or u in members) and (v == s.merge or v in members):
-                    if role == "skip" or (u, v) != (s.fork, s.merge):
-                        data.setdefault("branch_role", role)
-                        data.setdefault("branch_merge", s.merge)
+            # Only edges leaving the fork or a branch node can lie on the branch.
+            for u, v, data in G.out_edges([s.fork, *branch], data=True):
+                if (v == s.merge or v in members) and (role == "skip" or (u, v) != (s.fork, s.merge)):
+                    data.setdefault("branch_role", role)
+                    data.setdefault("branch_merge", s.merge)
         G.nodes[s.fork].setdefault("branch_role", "fork")
         G.nodes[s.merge]["branch_role"] = "merge"
         G.nodes[s.merge]["branch_merge"] = s.merge
@@ -278,7 +278,7 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
         edges), ``skip_connections`` (count), ``identity_skips``,
         ``largest_activation`` (node, shape and bytes of the biggest output).
     """
-    skips = skip_connections(G)
+    skips = skip_connections(G, annotate=False)  # a summary only reads G
     largest = {"node": None, "shape": None, "nbytes": 0}
     for node in topological_order(G):  # the first of equal size wins
         for _, _, data in G.out_edges(node, data=True):

@@ -6,6 +6,7 @@ Nothing here runs the model: it reads the fx graph and the metadata that
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -152,10 +153,7 @@ def _describe(meta: Any) -> tuple[Any, Any, int | None]:
     """(shape, dtype, nbytes) of a ShapeProp ``tensor_meta``, mirroring nested outputs."""
     if isinstance(meta, TensorMetadata):
         shape = tuple(int(d) for d in meta.shape)
-        numel = 1
-        for d in shape:
-            numel *= d
-        return shape, str(meta.dtype), numel * meta.dtype.itemsize
+        return shape, str(meta.dtype), math.prod(shape) * meta.dtype.itemsize
     if isinstance(meta, (list, tuple)):
         parts = [_describe(m) for m in meta]
         known = [p[2] for p in parts if p[2] is not None]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import networkx as nx
 import pytest
 import torch
@@ -196,3 +198,10 @@ def test_scope_subgraph_of_a_densenet_block(torchvision_model):
     assert set(with_inputs) - set(block) == {"features_pool0"}
     with pytest.raises(fxnx.FxnxValueError, match="no node of G is inside scope 'features.nope'"):
         fxnx.scope_subgraph(G, "features.nope")
+
+
+def test_summary_only_reads_g():
+    G = _zoo("nested_skip")
+    before = copy.deepcopy((G.graph, list(G.nodes(data=True)), list(G.edges(keys=True, data=True))))
+    assert fxnx.summary(G)["skip_connections"] == 2
+    assert (G.graph, list(G.nodes(data=True)), list(G.edges(keys=True, data=True))) == before
