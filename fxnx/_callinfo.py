@@ -8,7 +8,8 @@ produced them.
 
 Signatures come from ``inspect`` (modules' ``forward``, Python functions), from
 torch's own operator schemas (builtins such as ``torch.flatten``) and from the
-ATen schema of the same name for ``call_method`` nodes (``x.view``). When no
+ATen schema of the same name for ``call_method`` nodes (``x.view``), and from
+the operator's own schema for ATen-level graphs (``aten.convolution.default``). When no
 signature fits, arguments keep their positions as keys (``"0"``, ``"1"``).
 """
 
@@ -139,6 +140,18 @@ def _module_signatures(cls: type) -> tuple[inspect.Signature, ...]:
 
 
 @cache
+def _schema_signatures(op: torch._ops.OpOverload) -> tuple[inspect.Signature, ...]:
+    try:
+        sig = _torchscript_schema_to_signature(op._schema)
+    except Exception:  # a schema torch itself cannot express as a signature
+        return ()
+    # torch.fx renames the schema's ``self`` to ``input``; keep the schema's own names.
+    names = [arg.name for arg in op._schema.arguments]
+    params = [p.replace(name=n) for p, n in zip(sig.parameters.values(), names, strict=True)]
+    return (sig.replace(parameters=params),)
+
+
+@cache
 def _method_signatures(name: str) -> tuple[inspect.Signature, ...]:
     try:
         schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")
@@ -158,6 +171,8 @@ def _method_signatures(name: str) -> tuple[inspect.Signature, ...]:
 
 
 def _function_signatures(target: Callable[..., Any]) -> tuple[inspect.Signature, ...]:
+    if isinstance(target, torch._ops.OpOverload):  # an ATen operator: its schema has the names
+        return _schema_signatures(target)
     try:
         return _cached_function_signatures(target)
     except TypeError:  # unhashable callable

@@ -39,6 +39,10 @@ MERGE_TARGETS = frozenset(
         ("call_function", "torch.cat"),
         ("call_function", "torch.concat"),
         ("call_function", "torch.concatenate"),
+        # ATen-level graphs (level="aten", or a torch.export / make_fx capture)
+        ("call_function", "torch.ops.aten.add.Tensor"),
+        ("call_function", "torch.ops.aten.add_.Tensor"),
+        ("call_function", "torch.ops.aten.cat.default"),
     }
 )
 
@@ -124,6 +128,34 @@ def _carries_tensor(G: nx.MultiDiGraph, source: str) -> bool:
     return G.nodes[source].get("op") != "get_attr"
 
 
+def _data_flow(G: nx.MultiDiGraph) -> nx.DiGraph:
+    """The part of ``G`` that data flows through: the tensors downstream of an input.
+
+    Parameters and buffers (``get_attr`` nodes, and the ``primals_*`` inputs
+    standing for them in ATen-level graphs) are not sources: a path through a
+    layer's weight is no second path for the data. Nor is a path through a
+    tensor's shape (``x.shape[0]`` sizing a learned token): only edges that
+    carry tensors count.
+    """
+    weights = {
+        name for name, primal in G.graph.get("primals", {}).items() if primal["kind"] != "input"
+    }
+    sources = [
+        n for n in G
+        if G.in_degree(n) == 0 and G.nodes[n].get("op") != "get_attr" and n not in weights
+    ]
+    tensors = nx.DiGraph(
+        (u, v) for u, v, dtype in G.edges(data="dtype")
+        # dtype None on a propagated graph: a shape or other plain value, not a tensor
+        if dtype is not None or (G.nodes[u].get("out_type") is None and _carries_tensor(G, u))
+    )
+    tensors.add_nodes_from(sources)
+    reach = set(sources).union(*(nx.descendants(tensors, s) for s in sources))
+    flow = nx.DiGraph(tensors.subgraph(reach).edges())
+    flow.add_nodes_from(reach)
+    return flow
+
+
 def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipConnection]:
     """Find every place where branches of the graph split and rejoin.
 
@@ -162,20 +194,19 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
     [('x', 'add', (), ('conv',))]
     """
     order = {n: i for i, n in enumerate(topological_order(G))}
+    flow = _data_flow(G)
     merges = [
         n
         for n in order
         if (G.nodes[n].get("op"), G.nodes[n].get("target")) in MERGE_TARGETS
-        and len({u for u in G.predecessors(n) if _carries_tensor(G, u)}) >= 2
+        and len({u for u in G.predecessors(n) if u in flow and _carries_tensor(G, u)}) >= 2
     ]
     if not merges:
         if annotate:
             _annotate(G, [])
         return []
     root = ("fxnx", "root")  # a key no fx node name can equal
-    flow = nx.DiGraph(G.edges())
-    flow.add_nodes_from(G.nodes)
-    flow.add_edges_from((root, n) for n in G.nodes if G.in_degree(n) == 0)
+    flow.add_edges_from((root, n) for n in list(flow) if flow.in_degree(n) == 0)
     idom = nx.immediate_dominators(flow, root)
     found = []
     for merge in merges:
@@ -183,7 +214,9 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
         if fork == root:
             continue
         below_fork = nx.descendants(flow, fork)
-        inputs = sorted({u for u in G.predecessors(merge) if _carries_tensor(G, u)}, key=order.get)
+        inputs = sorted(
+            {u for u in G.predecessors(merge) if u in flow and _carries_tensor(G, u)}, key=order.get
+        )
         branches = []
         for u in inputs:
             nodes = (nx.ancestors(flow, u) | {u}) & below_fork if u != fork else set()

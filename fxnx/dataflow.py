@@ -31,6 +31,9 @@ def convert(
     input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
     dtype: torch.dtype = torch.float32,
     fake: bool = False,
+    level: str = "module",
+    routes: str | Sequence[str] = "auto",
+    leaf_on_failure: bool = False,
 ) -> nx.MultiDiGraph:
     """Convert a PyTorch model into a graph of its dataflow.
 
@@ -55,6 +58,21 @@ def convert(
         The dtype of the inputs made from ``input_shape``.
     fake : bool
         Propagate shapes with fake tensors (no real compute) for a real model.
+    level : {"module", "aten", "joint"}
+        ``"module"`` (default): modules and functions as the model calls them.
+        ``"aten"``: the forward pass as ATen operators. ``"joint"``: forward and
+        backward as ATen operators in one graph, with inputs ``primals_*``
+        (parameters, buffers, data) and ``tangents_*`` (one gradient per
+        output); every node's ``phase`` says ``"forward"`` or ``"backward"``
+        and ``G.graph["gradients"]`` names the node computing each gradient.
+    routes : "auto", a route name, or a sequence of them
+        How to capture when ``level="module"``: ``symbolic_trace``, then
+        ``export`` (``torch.export``, non-strict), ``draft_export`` and
+        ``make_fx``, until one works; ``G.graph["capture"]`` names it. The
+        fallbacks give ATen-level nodes that keep their module path in ``scope``.
+    leaf_on_failure : bool
+        Keep a submodule that symbolic tracing fails in as one opaque node
+        (``opaque=True``) and trace the rest, rather than falling back.
 
     Returns
     -------
@@ -89,6 +107,9 @@ def convert(
         input_shape=input_shape,
         dtype=dtype,
         fake=fake,
+        level=level,
+        routes=routes,
+        leaf_on_failure=leaf_on_failure,
     )
     return graph_from_capture(cap)
 
@@ -107,6 +128,8 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
     gm = cap.gm
     G = nx.MultiDiGraph()
     modules: dict[str, str] = {"": qualified_name(type(cap.model))}
+    primals = cap.aten.primals if cap.aten else {}
+    opaque = set(cap.opaque)
     for order, node in enumerate(gm.graph.nodes):
         info, names = bind_call(node, gm)
         meta = node.meta.get("tensor_meta")
@@ -123,8 +146,10 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
             out_shape=out_shape,
             out_dtype=out_dtype,
             out_type=qualified_name(node.meta["type"]) if "type" in node.meta else None,
-            num_params=_num_params(node, gm),
+            num_params=_num_params(node, gm, primals),
             node_call_info=info,
+            phase=node.meta.get("fxnx_phase", "forward"),
+            opaque=node.op == "call_module" and node.target in opaque,
         )
         for arg, source in occurrences(node, names):
             shape, dtype, nbytes = _describe(source.meta.get("tensor_meta"))
@@ -144,16 +169,28 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
             if node.op == "placeholder"
         ],
         modules=modules,
-        num_params=sum(p.numel() for p in gm.parameters()),
+        num_params=sum(p.numel() for p in gm.parameters())
+        + sum(G.nodes[name]["num_params"] for name in primals),
+        level=cap.level,
+        capture_failures=dict(cap.failures),
+        opaque_modules=list(cap.opaque),
     )
+    if cap.aten is not None:
+        G.graph.update(
+            primals=cap.aten.primals,
+            tangents=cap.aten.tangents,
+            gradients=cap.aten.gradients,
+            specialised=cap.aten.specialised,
+        )
     return G
 
 
 def _describe(meta: Any) -> tuple[Any, Any, int | None]:
     """(shape, dtype, nbytes) of a ShapeProp ``tensor_meta``, mirroring nested outputs."""
     if isinstance(meta, TensorMetadata):
-        shape = tuple(int(d) for d in meta.shape)
-        return shape, str(meta.dtype), math.prod(shape) * meta.dtype.itemsize
+        shape = tuple(d if isinstance(d, str) else int(d) for d in meta.shape)
+        known = all(isinstance(d, int) for d in shape)
+        return shape, str(meta.dtype), math.prod(shape) * meta.dtype.itemsize if known else None
     if isinstance(meta, (list, tuple)):
         parts = [_describe(m) for m in meta]
         known = [p[2] for p in parts if p[2] is not None]
@@ -202,7 +239,10 @@ def _scope(node: fx.Node, stack: dict[str, str]) -> str:
     return paths[-1] if paths else ""
 
 
-def _num_params(node: fx.Node, gm: fx.GraphModule) -> int:
+def _num_params(node: fx.Node, gm: fx.GraphModule, primals: dict[str, dict[str, str]]) -> int:
+    """Parameters the node owns: its module's, the parameter it reads, or the one it stands for."""
+    if node.op == "placeholder" and primals.get(node.name, {}).get("kind") == "parameter":
+        return math.prod(node.meta["tensor_meta"].shape)
     if node.op == "call_module":
         return sum(p.numel() for p in gm.get_submodule(node.target).parameters())  # type: ignore[arg-type]
     if node.op == "get_attr":

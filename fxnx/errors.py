@@ -7,6 +7,10 @@ callers that do not know fxnx.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 __all__ = [
     "CaptureError",
     "FxnxError",
@@ -40,3 +44,29 @@ class ShapePropagationError(FxnxError, ValueError):
 
     The message names the node, its target and the shapes it received.
     """
+
+
+def first_line(err: BaseException, limit: int = 400) -> str:
+    """The first line of an exception's message, at most ``limit`` characters.
+
+    torch's tracing errors can run to megabytes (whole graphs); one line is what
+    a summary of several failures needs.
+
+    Examples
+    --------
+    >>> first_line(ValueError("bad shape\\nlong details"))
+    'bad shape'
+    """
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else "(no message)"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn, pointing at the caller's own line rather than at fxnx's internals."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -27,6 +27,8 @@ __all__ = ["GraphvizNotFoundError", "draw", "to_pydot"]
 
 #: Colours of the branches of skip connections and of plain edges.
 SKIP, RESIDUAL, MERGE, FORK, PLAIN = "#E8710A", "#1A73E8", "#C5221F", "#137333", "#5F6368"
+#: Borders of opaque nodes (kept whole because tracing failed) and of backward-pass nodes.
+OPAQUE, BACKWARD, BACKWARD_FILL = "#202124", "#8430CE", "#DCCCF4"
 #: Node fills, picked by a stable hash of the node's kind (module class or function name).
 FILLS = ("#E8F0FE", "#FCE8E6", "#E6F4EA", "#FEF7E0", "#F3E8FD", "#E4F7FB", "#FDE7F3",
          "#EDEFF1", "#FFF1E6", "#E9F5E1")
@@ -38,6 +40,8 @@ MAX_PIXELS = 32767
 #: Past this many edges a PNG is unreadable and Graphviz's layout takes minutes (DenseNet-201).
 MAX_EDGES = 1000
 FONT = "Helvetica"
+#: Appended to a module's path to name the collapsed node of its backward ops.
+BACKWARD_SUFFIX = " (backward)"
 
 
 class GraphvizNotFoundError(FxnxError, ImportError):
@@ -102,9 +106,10 @@ def to_pydot(
     scale = _Scale(view, color_by) if color_by else None
     ids = {node: f"n{i}" for i, node in enumerate(topological_order(view))}
     parents = _clusters(dot, view, ids) if clusters else {}
+    primals = view.graph.get("primals", {})
     for node, data in view.nodes(data=True):
         (parents.get(data.get("scope") or "") or dot).add_node(
-            pydot.Node(ids[node], **_node_style(node, data, scale))
+            pydot.Node(ids[node], **_node_style(node, data, scale, primals.get(node)))
         )
     for u, v, data in view.edges(data=True):
         dot.add_edge(pydot.Edge(ids[u], ids[v], **_edge_style(data)))
@@ -219,10 +224,22 @@ def _collapse(G: nx.MultiDiGraph, depth: int) -> nx.MultiDiGraph:
     if depth < 1:
         raise FxnxValueError(f"depth must be 1 or more, got {depth}")
     group: dict[str, str] = {}
+    owners = {  # a parameter or buffer belongs to the module that owns it
+        node: primal["name"].rpartition(".")[0]
+        for node, primal in G.graph.get("primals", {}).items() if primal["kind"] != "input"
+    }
+    owners.update(
+        (node, data["target"].rpartition(".")[0])
+        for node, data in G.nodes(data=True) if data.get("op") == "get_attr"
+    )
     for node, data in G.nodes(data=True):
-        parts = _path(data).split(".") if _path(data) else []
+        path = owners.get(node, _path(data))
+        parts = path.split(".") if path else []
         leaf_call = data.get("op") == "call_module" and len(parts) == depth
-        group[node] = ".".join(parts[:depth]) if len(parts) >= depth and not leaf_call else node
+        # In a joint graph a module's backward ops form a node of their own.
+        suffix = BACKWARD_SUFFIX if data.get("phase") == "backward" else ""
+        keep = len(parts) >= depth and not leaf_call
+        group[node] = ".".join(parts[:depth]) + suffix if keep else node
     while True:
         H = _grouped(G, group)
         if nx.is_directed_acyclic_graph(H):
@@ -244,8 +261,10 @@ def _grouped(G: nx.MultiDiGraph, group: dict[str, str]) -> nx.MultiDiGraph:
             H.add_node(node, **_without_roles(data))
             continue
         if key not in H:
-            H.add_node(key, op="module", target=key, module_type=modules.get(key),
-                       scope=key.rpartition(".")[0], order=data.get("order"), members=0)
+            path = key.removesuffix(BACKWARD_SUFFIX)
+            H.add_node(key, op="module", target=path, module_type=modules.get(path),
+                       scope=path.rpartition(".")[0], order=data.get("order"), members=0,
+                       phase="backward" if path != key else "forward")
         H.nodes[key]["members"] += 1
         for attr in ("credit_norm", "out_shape"):  # the value at the module's output
             if data.get(attr) is not None:
@@ -274,12 +293,17 @@ def _kind(data: dict[str, Any]) -> str:
     if op == "call_method":
         return f".{data['target']}()"
     if op == "call_function":
-        return data["target"].rsplit(".", 1)[-1]
+        target = data["target"]
+        if target.startswith("torch.ops."):  # torch.ops.aten.convolution.default: convolution
+            return target.split(".")[3]
+        return target.rsplit(".", 1)[-1]
     return {"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(op, op or "")
 
 
-def _node_style(node: str, data: dict[str, Any], scale: _Scale | None) -> dict[str, str]:
-    kind = _kind(data)
+def _node_style(
+    node: str, data: dict[str, Any], scale: _Scale | None, primal: dict[str, str] | None = None
+) -> dict[str, str]:
+    kind = f"{primal['kind']} {primal['name']}" if primal else _kind(data)
     name = node
     if data.get("op") == "module":  # inside its parent's box, the last part of the path says it
         last = data["target"].rpartition(".")[2]
@@ -306,10 +330,18 @@ def _node_style(node: str, data: dict[str, Any], scale: _Scale | None) -> dict[s
         style.update(color=SKIP, penwidth="1.5")
     elif role == "residual":
         style.update(color=RESIDUAL, penwidth="1.2")
+    if data.get("phase") == "backward":
+        style.setdefault("color", BACKWARD)
+        if scale is None:
+            style["fillcolor"] = BACKWARD_FILL
     if data.get("op") in ("placeholder", "output"):
         style["shape"] = "oval"
     if data.get("op") == "module":
         style["style"] = "rounded,filled,bold"
+    if data.get("opaque"):
+        style.update(style="rounded,filled,dashed", penwidth="2", color=OPAQUE)
+        lines.append('<FONT POINT-SIZE="9">opaque: not traced</FONT>')
+        style["label"] = "<" + "<BR/>".join(lines) + ">"
     return style
 
 
@@ -386,6 +418,16 @@ def _legend(G: nx.MultiDiGraph, scale: _Scale | None) -> dict[str, str]:
             f'<TR><TD BORDER="2" COLOR="{MERGE}"> </TD><TD ALIGN="LEFT">merge (add, cat)</TD></TR>',
             f'<TR><TD BORDER="2" COLOR="{FORK}"> </TD><TD ALIGN="LEFT">fork</TD></TR>',
         ]
+    if any(data.get("opaque") for _, data in G.nodes(data=True)):
+        rows.append(
+            f'<TR><TD BORDER="1" STYLE="dashed" COLOR="{OPAQUE}"> </TD>'
+            '<TD ALIGN="LEFT">opaque: kept whole, tracing failed inside</TD></TR>'
+        )
+    if G.graph.get("level") == "joint":
+        rows.append(
+            f'<TR><TD BORDER="1" BGCOLOR="{BACKWARD_FILL}" COLOR="{BACKWARD}"> </TD>'
+            '<TD ALIGN="LEFT">backward pass</TD></TR>'
+        )
     if scale is not None:
         cells = "".join(f'<TD BGCOLOR="{c}" WIDTH="12"> </TD>' for c in VIRIDIS)
         low, high = f"{scale.low:.3g}", f"{scale.high:.3g}"

@@ -20,17 +20,20 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.node import map_aggregate
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
-from torch.utils._pytree import tree_map
+from torch.utils import _pytree as pytree
 
-from ._state import preserved
-from .errors import CaptureError, FxnxTypeError, FxnxValueError, ShapePropagationError
+from ._aten import AtenCapture, capture_aten
+from ._routes import ROUTES, export_route, quiet
+from ._shapes import device_of, empty_inputs, shape_source
+from ._shapes import propagate as propagate_shapes
+from .errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
 
 __all__ = ["Capture", "capture"]
 
 LeafSpec = type[nn.Module] | str
+
+
+LEVELS = ("module", "aten", "joint")
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,26 @@ class Capture:
     model : nn.Module or callable
         What the user passed in.
     method : str
-        How the graph was captured: ``"symbolic_trace"`` or ``"graph_module"``
-        (an already traced ``GraphModule`` was given).
+        The route that captured the graph: ``"symbolic_trace"``, ``"graph_module"``
+        (an already traced ``GraphModule`` was given), ``"export"``,
+        ``"draft_export"`` or ``"make_fx"``.
     propagated : bool
         Whether example inputs were run through the graph.
     inputs : list or None
         The example inputs as one value per placeholder, in order; None without inputs.
     shape_source : str or None
-        ``"ShapeProp"`` (real tensors), ``"FakeTensor"`` or ``"meta"``; None without shapes.
+        ``"ShapeProp"`` (real tensors), ``"FakeTensor"``, ``"meta"`` or
+        ``"make_fx"`` (recorded while tracing real tensors); None without shapes.
+    level : str
+        ``"module"`` (torch.fx's graph: modules and functions as the model calls
+        them), ``"aten"`` (ATen operators) or ``"joint"`` (ATen forward and backward).
+    failures : tuple of (route, message)
+        The routes tried before ``method`` and why each failed.
+    opaque : tuple of str
+        Submodules kept whole because tracing through them failed (``leaf_on_failure``).
+    aten : fxnx._aten.AtenCapture or None
+        For graphs made by ``make_fx``: what the ``primals_*`` and ``tangents_*``
+        inputs stand for and which node computes each gradient.
     """
 
     gm: fx.GraphModule
@@ -61,6 +76,10 @@ class Capture:
     propagated: bool
     inputs: list[Any] | None = None
     shape_source: str | None = None
+    level: str = "module"
+    failures: tuple[tuple[str, str], ...] = ()
+    opaque: tuple[str, ...] = ()
+    aten: AtenCapture | None = None
 
 
 def capture(
@@ -74,8 +93,11 @@ def capture(
     input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
     dtype: torch.dtype = torch.float32,
     fake: bool = False,
+    level: str = "module",
+    routes: str | Sequence[str] = "auto",
+    leaf_on_failure: bool = False,
 ) -> Capture:
-    """Trace ``model`` with torch.fx and propagate example inputs through it.
+    """Trace ``model`` and record the shape and dtype of every value in the graph.
 
     Parameters
     ----------
@@ -99,6 +121,19 @@ def capture(
     fake : bool
         Propagate fake tensors (``FakeTensorMode``): shapes without real compute
         or memory. A model on the ``meta`` device propagates meta tensors anyway.
+    level : {"module", "aten", "joint"}
+        ``"module"``: torch.fx's graph of modules and functions. ``"aten"``: the
+        forward pass as ATen operators. ``"joint"``: forward and backward passes
+        as ATen operators in one graph, inputs ``primals_*`` (parameters,
+        buffers, data) and ``tangents_*`` (gradients arriving at the outputs).
+    routes : "auto", a route name, or a sequence of them
+        How to capture a module-level graph, tried in order until one works:
+        ``"symbolic_trace"``, then ``"export"`` (``torch.export``, non-strict),
+        ``"draft_export"`` and ``"make_fx"``. The last three need example
+        inputs and give ATen-level nodes that keep their module path.
+    leaf_on_failure : bool
+        When symbolic tracing fails inside a submodule, keep that submodule
+        whole as one opaque node and trace everything around it.
 
     Returns
     -------
@@ -110,9 +145,9 @@ def capture(
         ``model`` is neither a module nor a callable, or the inputs do not fit
         its ``forward`` signature.
     FxnxValueError
-        A ``leaf_modules`` entry names no submodule.
+        A ``leaf_modules`` entry names no submodule, or an unknown level or route.
     CaptureError
-        Tracing failed, for instance on data-dependent control flow.
+        Every route failed; the message says what each one said.
     ShapePropagationError
         Running the example inputs failed at a node (wrong input shape).
 
@@ -120,8 +155,8 @@ def capture(
     --------
     >>> import torch
     >>> cap = capture(torch.nn.Linear(3, 2), (torch.zeros(4, 3),))
-    >>> cap.method, cap.propagated
-    ('symbolic_trace', True)
+    >>> cap.method, cap.level, cap.propagated
+    ('symbolic_trace', 'module', True)
     """
     kwargs = dict(kwargs or {})
     if not isinstance(model, nn.Module) and not callable(model):
@@ -135,22 +170,137 @@ def capture(
         raise FxnxTypeError(
             f"model must be a torch.nn.Module or a callable, got {type(model).__qualname__}.{hint}"
         )
+    if level not in LEVELS:
+        raise FxnxValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
+    route_names = _route_names(routes, level)
     if input_shape is not None:
         if args:
             raise FxnxTypeError("give example inputs or input_shape, not both")
-        args = _empty_inputs(model, input_shape, dtype)
+        args = empty_inputs(model, input_shape, dtype)
     inputs = _bind_inputs(model, args, kwargs, concrete_args or {})
+    if level != "module":
+        return _capture_aten(model, inputs, level, fake)
     if isinstance(model, fx.GraphModule):
-        gm, method = _copy_graph_module(model), "graph_module"
+        gm, method, failures, opaque = _copy_graph_module(model), "graph_module", (), ()
     else:
-        gm, method = _trace(model, leaf_modules, dict(concrete_args or {})), "symbolic_trace"
-    run = propagate and inputs is not None
-    if run:
-        _propagate(gm, model, inputs, fake)
+        gm, method, failures, opaque = _ladder(
+            model, inputs, route_names, leaf_modules, dict(concrete_args or {}), leaf_on_failure
+        )
+    aten = None
+    if method == "make_fx":
+        gm, aten = gm.gm, gm  # make_fx recorded every shape while it ran the inputs
+        run = True
+    else:
+        run = propagate and inputs is not None
+        if run:
+            flat = pytree.tree_leaves(tuple(inputs)) if method != "symbolic_trace" else inputs
+            propagate_shapes(gm, model, flat, fake)
     return Capture(
         gm=gm, model=model, method=method, propagated=run, inputs=inputs,
-        shape_source=(_shape_source(model, fake) if run else None),
+        shape_source=(_source(model, fake, method) if run else None),
+        level="module" if method in ("symbolic_trace", "graph_module") else "aten",
+        failures=tuple(failures), opaque=tuple(opaque), aten=aten,
     )
+
+
+def _route_names(routes: str | Sequence[str], level: str) -> tuple[str, ...]:
+    names = ROUTES if routes == "auto" else (routes,) if isinstance(routes, str) else tuple(routes)
+    unknown = [r for r in names if r not in ROUTES]
+    if unknown or not names:
+        raise FxnxValueError(
+            f"unknown capture route {unknown or routes!r}; routes are 'auto' or any of "
+            f"{', '.join(map(repr, ROUTES))}"
+        )
+    if level != "module" and routes not in ("auto", "make_fx", ("make_fx",), ["make_fx"]):
+        raise FxnxValueError(
+            f"level={level!r} is always captured with make_fx; leave routes='auto'"
+        )
+    return names
+
+
+def _ladder(
+    model: nn.Module | Callable[..., Any],
+    inputs: list[Any] | None,
+    route_names: Sequence[str],
+    leaf_modules: Iterable[LeafSpec],
+    concrete_args: dict[str, Any],
+    leaf_on_failure: bool,
+) -> tuple[Any, str, list[tuple[str, str]], list[str]]:
+    """Try each route in turn; the first graph wins. Raise with every route's reason if none works."""
+    failures: list[tuple[str, str]] = []
+    errors: list[CaptureError] = []
+    for route in route_names:
+        try:
+            if route == "symbolic_trace":
+                gm, opaque = _trace(model, leaf_modules, concrete_args, leaf_on_failure)
+                return gm, route, failures, opaque
+            if inputs is None:
+                raise CaptureError(f"{route} needs example inputs (or input_shape=) to run the model")
+            if route == "make_fx":
+                if not isinstance(model, nn.Module):
+                    model = _as_module(model)
+                with quiet():
+                    result = capture_aten(model, inputs, joint=False)
+                _warn_specialised(route, result.specialised)
+                return result, route, failures, []
+            gm = export_route(model, inputs, draft=route == "draft_export")
+            _warn_specialised(route, route == "draft_export" and _reads_values(gm))
+            return gm, route, failures, []
+        except CaptureError as err:
+            failures.append((route, first_line(err)))
+            errors.append(err)
+    if len(errors) == 1:
+        raise errors[0]
+    lines = [f"no capture route worked for {_qualname(model)}:"]
+    for (route, _), err in zip(failures, errors, strict=True):
+        detail = str(err).splitlines()
+        lines.append(f"- {route}: " + "\n    ".join(line[:400] for line in detail[:4]))
+    lines.append(
+        "What to do: pass leaf_on_failure=True (or leaf_modules=[...]) to keep the failing "
+        "submodule whole, or concrete_args={...} to fix the values that decide a branch."
+    )
+    raise CaptureError("\n".join(lines)) from errors[-1]
+
+
+def _warn_specialised(route: str, specialised: bool) -> None:
+    if specialised:
+        warn_user(
+            f"captured with {route}: the model's control flow read tensor values, so the graph "
+            "follows the branches the example input took and holds for such inputs only"
+        )
+
+
+def _reads_values(gm: fx.GraphModule) -> bool:
+    return any(
+        n.target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+        for n in gm.graph.nodes
+    )
+
+
+def _capture_aten(model: Any, inputs: list[Any] | None, level: str, fake: bool) -> Capture:
+    if inputs is None:
+        raise FxnxTypeError(
+            f"level={level!r} runs the model: pass example inputs or input_shape="
+        )
+    module = model if isinstance(model, nn.Module) else _as_module(model)
+    result = capture_aten(module, inputs, joint=level == "joint", fake=fake)
+    _warn_specialised("make_fx", result.specialised)
+    source = "meta" if device_of(model).type == "meta" else "FakeTensor" if fake else "make_fx"
+    return Capture(
+        gm=result.gm, model=model, method="make_fx", propagated=True, inputs=inputs,
+        shape_source=source, level=level, aten=result,
+    )
+
+
+def _as_module(fn: Callable[..., Any]) -> nn.Module:
+    from ._routes import _Wrapped
+
+    return _Wrapped(fn)
+
+
+def _source(model: Any, fake: bool, method: str) -> str:
+    source = shape_source(model, fake)
+    return "make_fx" if method == "make_fx" and source == "ShapeProp" else source
 
 
 class _Tracer(fx.Tracer):
@@ -173,15 +323,24 @@ def _trace(
     model: nn.Module | Callable[..., Any],
     leaf_modules: Iterable[LeafSpec],
     concrete_args: dict[str, Any],
-) -> fx.GraphModule:
+    leaf_on_failure: bool = False,
+) -> tuple[fx.GraphModule, list[str]]:
+    """Symbolic tracing; with ``leaf_on_failure``, retried with each failing submodule kept whole."""
     leaf_types, leaf_paths = _split_leaf_specs(model, leaf_modules)
-    tracer = _Tracer(leaf_types, leaf_paths)
-    try:
-        graph = tracer.trace(model, concrete_args or None)
-    except Exception as err:
-        raise CaptureError(_explain_trace_failure(model, tracer, err)) from err
+    opaque: list[str] = []
+    while True:
+        tracer = _Tracer(leaf_types, leaf_paths | frozenset(opaque))
+        try:
+            graph = tracer.trace(model, concrete_args or None)
+            break
+        except Exception as err:
+            stack = list(getattr(tracer, "module_stack", {}).values())
+            failing = stack[-1][0] if stack else ""
+            if not (leaf_on_failure and failing and failing not in opaque):
+                raise CaptureError(_explain_trace_failure(model, tracer, err)) from err
+            opaque.append(failing)
     name = type(model).__name__ if isinstance(model, nn.Module) else model.__name__
-    return fx.GraphModule(tracer.root, graph, name)
+    return fx.GraphModule(tracer.root, graph, name), opaque
 
 
 def _split_leaf_specs(
@@ -305,86 +464,3 @@ def _bind_inputs(
 
 def _qualname(model: Any) -> str:
     return type(model).__qualname__ if isinstance(model, nn.Module) else model.__qualname__
-
-
-class _ShapeProp(fx.Interpreter):
-    """torch.fx's ShapeProp, recording the same ``tensor_meta`` and ``type`` metadata.
-
-    Unlike ShapeProp it prints nothing on failure: it raises one error that names
-    the node, its target and the shapes the node received.
-    """
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.extra_traceback = False  # our message already names the node
-
-    def run_node(self, n: fx.Node) -> Any:
-        try:
-            result = super().run_node(n)
-        except Exception as err:
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            got = tree_map(_describe_value, (args, kwargs))
-            raise ShapePropagationError(
-                f"shape propagation failed at fx node {n.name!r} ({n.op} {_target_str(n)}): "
-                f"{type(err).__name__}: {err}\n"
-                f"  node: {n.format_node()}\n"
-                f"  input shapes: args={got[0]} kwargs={got[1]}\n"
-                "What to do: check the example inputs' shapes and dtypes against what the "
-                "model expects."
-            ) from err
-        tensors = []
-
-        def extract(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                tensors.append(obj)
-                return _extract_tensor_metadata(obj)
-            return obj
-
-        meta = map_aggregate(result, extract)
-        if tensors:
-            n.meta["tensor_meta"] = meta
-        n.meta["type"] = torch.Tensor if isinstance(result, FakeTensor) else type(result)
-        return result
-
-
-def _target_str(node: fx.Node) -> str:
-    if node.op == "call_module":
-        mod = node.graph.owning_module.get_submodule(node.target)  # type: ignore[union-attr]
-        return f"{node.target} ({type(mod).__qualname__})"
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "?")
-
-
-def _describe_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {value.dtype}"
-    return value
-
-
-def _propagate(gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool) -> None:
-    """Run the inputs through the graph without leaving a trace on the model, buffers or RNG."""
-    with preserved(model), torch.no_grad():
-        if fake and _device(model).type != "meta":
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
-                _ShapeProp(gm).run(*fakes)
-        else:
-            _ShapeProp(gm).run(*inputs)
-
-
-def _device(model: Any) -> torch.device:
-    if isinstance(model, nn.Module):
-        for tensor in (*model.parameters(), *model.buffers()):
-            return tensor.device
-    return torch.device("cpu")
-
-
-def _shape_source(model: Any, fake: bool) -> str:
-    if _device(model).type == "meta":
-        return "meta"
-    return "FakeTensor" if fake else "ShapeProp"
-
-
-def _empty_inputs(model: Any, input_shape: Sequence[Any], dtype: torch.dtype) -> tuple[Any, ...]:
-    shapes = [input_shape] if all(isinstance(d, int) for d in input_shape) else list(input_shape)
-    device = _device(model)
-    return tuple(torch.empty(tuple(shape), dtype=dtype, device=device) for shape in shapes)

@@ -69,7 +69,7 @@ def test_wrong_input_shape_on_resnet18(torchvision_model):
 
 def test_data_dependent_control_flow_names_the_line_and_what_to_do():
     with pytest.raises(fxnx.CaptureError) as info:
-        fxnx.convert(DataDependent(), torch.randn(2, 4))
+        fxnx.convert(DataDependent(), torch.randn(2, 4), routes="symbolic_trace")
     message = str(info.value)
     assert "test_tracing.py" in message
     assert "if x.sum() > 0:" in message
@@ -79,7 +79,7 @@ def test_data_dependent_control_flow_names_the_line_and_what_to_do():
 
 def test_control_flow_in_a_submodule_suggests_that_leaf():
     with pytest.raises(fxnx.CaptureError, match=r"(?s)if x.mean\(\) > 0.*leaf_modules=\['gate'\]"):
-        fxnx.convert(HasGate(), torch.randn(2, 4))
+        fxnx.convert(HasGate(), torch.randn(2, 4), routes="symbolic_trace")
 
 
 def test_the_suggested_leaf_module_works():

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .._routes import ROUTES
 from .._state import preserved
 from ..analysis import topological_order
 from ..errors import FxnxTypeError, FxnxValueError
@@ -147,9 +148,17 @@ def route_credit(
         cycle = " -> ".join(u for u, *_ in nx.find_cycle(G))
         raise FxnxValueError(f"G is no longer acyclic ({cycle}); credit cannot be routed over it")
 
+    route = G.graph.get("capture", "auto")
+    if route == "make_fx" or G.graph.get("level") == "joint":
+        raise FxnxValueError(
+            f"G was captured with make_fx (level={G.graph.get('level')!r}), whose inputs are the "
+            "parameters themselves; route credit over a graph from convert(model, x) at "
+            "level='module' (symbolic_trace, export or draft_export)"
+        )
     cap = capture(
         model, inputs, kwargs, leaf_modules=leaf_modules, concrete_args=concrete_args,
-        propagate=False,
+        propagate=False, routes=route if route in ROUTES else "auto",
+        leaf_on_failure=bool(G.graph.get("opaque_modules")),
     )
     _check_nodes(G, [node.name for node in cap.gm.graph.nodes])
     named = model.named_parameters() if isinstance(model, nn.Module) else ()

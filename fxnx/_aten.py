@@ -1,0 +1,313 @@
+"""ATen-level graphs with ``make_fx``: the forward pass, or forward and backward in one graph.
+
+The model runs under :func:`torch.func.functional_call` inside
+:func:`torch.fx.experimental.proxy_tensor.make_fx`, with its parameters,
+buffers and tensor inputs as the traced function's inputs (``primals_*``).
+For the joint graph the function also calls :func:`torch.autograd.grad` with
+incoming gradients as further inputs (``tangents_*``), so ``make_fx`` records
+the backward pass as ordinary ATen operators after the forward ones. Only
+public torch APIs are used; torch's source is never patched.
+
+Two annotations ride along through :mod:`torch.fx.traceback`:
+
+- forward hooks on every submodule record the module call stack on each node
+  (``meta["nn_module_stack"]``, the format ``symbolic_trace`` uses);
+- each autograd node of the forward pass gets a pre-hook that marks the
+  backward ops it emits with its sequence number, which is also the sequence
+  number of the forward op that created it, so a backward node inherits the
+  module path of the forward op it differentiates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch import nn
+from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from ._shapes import metadata_from_values
+from ._state import preserved
+from .errors import CaptureError, FxnxValueError, first_line
+
+__all__ = ["AtenCapture", "capture_aten"]
+
+_MODULES = "fxnx_module_stack"
+_PHASE = "fxnx_phase"
+_GRAD_FN = "fxnx_grad_fn"
+
+
+@dataclass(frozen=True)
+class AtenCapture:
+    """An ATen-level graph and what its inputs and outputs stand for (plain data)."""
+
+    gm: fx.GraphModule
+    #: Placeholder name to {"kind": "parameter" | "buffer" | "input", "name": ...}.
+    primals: dict[str, dict[str, str]]
+    #: Placeholder name to the output it is the gradient of, such as "output[0]".
+    tangents: dict[str, str]
+    #: Parameter or input name to the node computing its gradient (None: no gradient).
+    gradients: dict[str, str | None]
+    #: Whether a tensor's value decided control flow: the graph holds for this input only.
+    specialised: bool
+
+
+def capture_aten(
+    model: nn.Module, inputs: Sequence[Any], *, joint: bool, fake: bool = False
+) -> AtenCapture:
+    """Trace ``model(*inputs)`` to ATen operators; with ``joint``, its backward pass too.
+
+    Raises
+    ------
+    CaptureError
+        ``make_fx`` could not trace the model.
+    FxnxValueError
+        ``joint`` and the model has no floating-point output to differentiate.
+    """
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    leaves, spec = pytree.tree_flatten(tuple(inputs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    input_names = _leaf_names(model, inputs)
+    primal_values = [
+        *(p.detach().requires_grad_(joint) for p in params.values()),
+        *(b.detach().clone() for b in buffers.values()),
+        *(_input_leaf(leaves[i], joint) for i in slots),
+    ]
+    primals = {
+        f"primals_{k + 1}": {"kind": kind, "name": name}
+        for k, (kind, name) in enumerate(
+            [("parameter", n) for n in params]
+            + [("buffer", n) for n in buffers]
+            + [("input", input_names[i]) for i in slots]
+        )
+    }
+    n_params, n_buffers = len(params), len(buffers)
+
+    def forward(primal_list: list[torch.Tensor]) -> list[Any]:
+        state = dict(zip(params, primal_list[:n_params], strict=True))
+        state.update(zip(buffers, primal_list[n_params : n_params + n_buffers], strict=True))
+        filled = list(leaves)
+        for i, value in zip(slots, primal_list[n_params + n_buffers :], strict=True):
+            filled[i] = value
+        out = functional_call(model, state, tuple(pytree.tree_unflatten(filled, spec)))
+        return pytree.tree_flatten(out)[0]
+
+    wrt = [k for k, v in enumerate(primal_values) if v.requires_grad]
+    tangent_values: list[torch.Tensor] = []
+    differentiable: list[int] = []
+    if joint:
+        differentiable, tangent_values = _tangents(model, forward, primal_values, fake)
+
+    present: list[bool] = []  # which gradients exist (unused inputs have none)
+
+    def traced(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> Any:
+        if not joint:
+            return forward(primals)
+        with torch.enable_grad(), fx_traceback.annotate({_PHASE: "forward"}):
+            outs = forward(primals)
+            with _backward_provenance([outs[i] for i in differentiable]):
+                with fx_traceback.annotate({_PHASE: "backward"}):
+                    grads = torch.autograd.grad(
+                        [outs[i] for i in differentiable], [primals[k] for k in wrt],
+                        tangents, allow_unused=True,
+                    )
+        present[:] = [g is not None for g in grads]
+        return outs, [g for g in grads if g is not None]
+
+    try:
+        with preserved(model), _module_stacks(model), fx_traceback.preserve_node_meta():
+            gm = make_fx(
+                traced,
+                tracing_mode="fake" if fake else "real",
+                _error_on_data_dependent_ops=False,
+            )(primal_values, tangent_values)
+    except Exception as err:
+        raise CaptureError(f"make_fx could not trace {type(model).__qualname__}: "
+                           f"{type(err).__name__}: {first_line(err)}") from err
+    metadata_from_values(gm)
+    _finish_metadata(gm, model, joint)
+    gradients: dict[str, str | None] = {}
+    tangents = {f"tangents_{j + 1}": f"output[{i}]" for j, i in enumerate(differentiable)}
+    if joint:
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        grad_nodes = iter(output.args[0][len(output.args[0]) - sum(present) :])
+        for k, exists in zip(wrt, present, strict=True):
+            name = primals[f"primals_{k + 1}"]["name"]
+            gradients[name] = next(grad_nodes).name if exists else None
+    specialised = any(
+        n.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+        for n in gm.graph.nodes
+    )
+    return AtenCapture(gm, primals, tangents, gradients, specialised)
+
+
+def _input_leaf(value: torch.Tensor, joint: bool) -> torch.Tensor:
+    leaf = value.detach()
+    return leaf.requires_grad_(joint and (leaf.is_floating_point() or leaf.is_complex()))
+
+
+def _leaf_names(model: nn.Module, inputs: Sequence[Any]) -> list[str]:
+    """``forward``'s parameter name with the path into it, for each pytree leaf of the inputs."""
+    import inspect
+
+    names = [p.name for p in inspect.signature(model.forward).parameters.values()]
+    out = []
+    for path, _ in pytree.tree_flatten_with_path(tuple(inputs))[0]:
+        index = path[0].idx if path else 0
+        head = names[index] if index < len(names) else f"input{index}"
+        out.append(head + pytree.keystr(path[1:]))
+    return out
+
+
+def _tangents(
+    model: nn.Module, forward: Any, primal_values: list[torch.Tensor], fake: bool
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Which outputs are differentiable, and a tensor of ones for each (their incoming gradient)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with preserved(model), torch.no_grad(), mode:
+        outs = forward([p.detach() for p in primal_values])
+    differentiable = [
+        i for i, o in enumerate(outs)
+        if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())
+    ]
+    if not differentiable:
+        raise FxnxValueError(
+            f"{type(model).__qualname__} has no floating-point output, so there is no backward "
+            "pass to capture; use level='aten' for its forward graph"
+        )
+    device = primal_values[0].device if primal_values else torch.device("cpu")
+    tangents = [
+        torch.ones(tuple(outs[i].shape), dtype=outs[i].dtype, device=device)
+        for i in differentiable
+    ]
+    return differentiable, tangents
+
+
+@contextlib.contextmanager
+def _module_stacks(model: nn.Module) -> Iterator[None]:
+    """Annotate every node with the module call stack active when it was recorded."""
+    stack: list[str] = []
+    entered: list[contextlib.AbstractContextManager[Any]] = []
+
+    def enter(path: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            stack.append(path)
+            annotation = fx_traceback.annotate({_MODULES: tuple(stack)})
+            annotation.__enter__()
+            entered.append(annotation)
+
+        return hook
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if entered:
+            entered.pop().__exit__(None, None, None)
+            stack.pop()
+
+    handles = []
+    for path, module in model.named_modules():
+        if path:
+            handles.append(module.register_forward_pre_hook(enter(path)))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while entered:
+            entered.pop().__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _backward_provenance(outputs: list[torch.Tensor]) -> Iterator[None]:
+    """Tag the backward ops each autograd node emits with that node's sequence number.
+
+    The forward op that created the autograd node got the same number, so a
+    backward op can be traced to the module of the op it differentiates. Ops
+    the engine adds between nodes (summing the gradients of a tensor used
+    twice) carry no tag.
+    """
+    handles = []
+    entered: list[contextlib.AbstractContextManager[Any]] = []
+
+    def before(seq: int) -> Any:
+        def hook(grads: Any) -> None:
+            annotation = fx_traceback.annotate({_GRAD_FN: seq})
+            annotation.__enter__()
+            entered.append(annotation)
+
+        return hook
+
+    def after(grads_in: Any, grads_out: Any) -> None:
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    seen: set[Any] = set()
+    todo = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        handles.append(fn.register_prehook(before(fn._sequence_nr())))
+        handles.append(fn.register_hook(after))
+        todo.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while entered:
+            entered.pop().__exit__(None, None, None)
+
+
+def _finish_metadata(gm: fx.GraphModule, model: nn.Module, joint: bool) -> None:
+    """Turn the annotations into ``nn_module_stack`` and ``fxnx_phase`` entries on every node.
+
+    A forward op's stack is the module calls active when it ran. A backward op
+    takes the stack of the forward op whose autograd node emitted it; one the
+    engine added to sum gradients takes the stack its inputs share.
+    """
+    classes = {path: type(module) for path, module in model.named_modules()}
+    by_seq: dict[int, tuple[str, ...]] = {}
+    stacks: dict[fx.Node, tuple[str, ...]] = {}
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        phase = custom.get(_PHASE, "forward")
+        stack: tuple[str, ...] = custom.get(_MODULES, ())
+        if node.op == "placeholder":
+            phase = "backward" if node.name.startswith("tangents_") else "forward"
+        elif node.op == "output":
+            phase = "backward" if joint else "forward"
+        elif phase == "forward" and node.meta.get("seq_nr") is not None:
+            by_seq.setdefault(node.meta["seq_nr"], stack)
+        elif phase == "backward":
+            if _GRAD_FN in custom:
+                stack = by_seq.get(custom[_GRAD_FN], ())
+            else:
+                stack = _shared_prefix([stacks[n] for n in node.all_input_nodes if n in stacks])
+        stacks[node] = stack
+        node.meta["fxnx_phase"] = phase
+        node.meta["nn_module_stack"] = {path: (path, classes[path]) for path in stack}
+
+
+def _shared_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
+    stacks = [s for s in stacks if s]
+    if not stacks:
+        return ()
+    prefix = stacks[0]
+    for stack in stacks[1:]:
+        n = 0
+        while n < min(len(prefix), len(stack)) and prefix[n] == stack[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix

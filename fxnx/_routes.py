@@ -1,0 +1,91 @@
+"""Capture routes for models ``torch.fx.symbolic_trace`` cannot trace.
+
+Each route takes the model and its example inputs (one value per ``forward``
+parameter) and returns an ATen-level ``fx.GraphModule`` whose placeholders are
+the inputs' pytree leaves, in order, and whose nodes carry
+``meta["nn_module_stack"]``; or raises :class:`~fxnx.errors.CaptureError` with
+one line saying why.
+
+- ``export``: :func:`torch.export.export`, non-strict. Handles Python control
+  flow on shapes (loops over ``x.size(0)``), which it unrolls for the example.
+- ``draft_export``: :func:`torch.export.draft_export`. Also handles control
+  flow on tensor *values*, which it specialises to the example input.
+- ``make_fx``: :func:`fxnx._aten.capture_aten` without the backward pass. It
+  runs the model on real tensors and records whatever ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ._state import preserved
+from .errors import CaptureError, first_line
+
+__all__ = ["ROUTES", "export_route", "quiet"]
+
+#: Every capture route, in the order ``routes="auto"`` tries them.
+ROUTES = ("symbolic_trace", "export", "draft_export", "make_fx")
+
+
+def export_route(model: nn.Module | Callable[..., Any], inputs: Sequence[Any], *, draft: bool) -> fx.GraphModule:
+    """The graph ``torch.export`` (non-strict) or ``torch.export.draft_export`` makes."""
+    module = model if isinstance(model, nn.Module) else _Wrapped(model)
+    args = tuple(inputs)
+    name = "torch.export.draft_export" if draft else "torch.export.export(strict=False)"
+    try:
+        with preserved(module), quiet():
+            if draft:
+                program = torch.export.draft_export(module, args)
+            else:
+                program = torch.export.export(module, args, strict=False)
+            gm = program.module(check_guards=False)
+    except Exception as err:
+        raise CaptureError(f"{name} failed: {type(err).__name__}: {first_line(err)}") from err
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    leaves = pytree.tree_leaves(args)
+    if len(placeholders) != len(leaves):
+        raise CaptureError(
+            f"{name} made a graph with {len(placeholders)} inputs for {len(leaves)} input "
+            "values; fxnx cannot tell which is which"
+        )
+    return gm
+
+
+class _Wrapped(nn.Module):
+    """A plain function as a module, for ``torch.export``, which takes only modules."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence what torch prints while a route is tried; a failure is reported by the ladder."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with (
+            contextlib.redirect_stderr(io.StringIO()),
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+

@@ -1,0 +1,154 @@
+"""Tensor metadata on fx nodes: shape propagation, and metadata from a tracer's values.
+
+:class:`_ShapeProp` records what :class:`torch.fx.passes.shape_prop.ShapeProp`
+records (``meta["tensor_meta"]`` and ``meta["type"]``) by running example
+inputs, real, fake or on the ``meta`` device. Graphs from ``torch.export`` and
+``make_fx`` already hold the fake value of every node in ``meta["val"]``;
+:func:`metadata_from_values` turns those into the same two entries, so the
+converter reads one kind of metadata whatever captured the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
+from torch.utils import _pytree as pytree
+from torch.utils._pytree import tree_map
+
+from ._state import preserved
+from .errors import ShapePropagationError
+
+__all__ = ["device_of", "empty_inputs", "metadata_from_values", "propagate", "shape_source"]
+
+
+class _ShapeProp(fx.Interpreter):
+    """torch.fx's ShapeProp, recording the same ``tensor_meta`` and ``type`` metadata.
+
+    Unlike ShapeProp it prints nothing on failure: it raises one error that names
+    the node, its target and the shapes the node received.
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.extra_traceback = False  # our message already names the node
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except Exception as err:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            got = tree_map(_describe_value, (args, kwargs))
+            raise ShapePropagationError(
+                f"shape propagation failed at fx node {n.name!r} ({n.op} {_target_str(n)}): "
+                f"{type(err).__name__}: {err}\n"
+                f"  node: {n.format_node()}\n"
+                f"  input shapes: args={got[0]} kwargs={got[1]}\n"
+                "What to do: check the example inputs' shapes and dtypes against what the "
+                "model expects."
+            ) from err
+        tensors = []
+
+        def extract(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                tensors.append(obj)
+                return _extract_tensor_metadata(obj)
+            return obj
+
+        meta = map_aggregate(result, extract)
+        if tensors:
+            n.meta["tensor_meta"] = meta
+        n.meta["type"] = torch.Tensor if isinstance(result, FakeTensor) else type(result)
+        return result
+
+
+def _target_str(node: fx.Node) -> str:
+    if node.op == "call_module":
+        mod = node.graph.owning_module.get_submodule(node.target)  # type: ignore[union-attr]
+        return f"{node.target} ({type(mod).__qualname__})"
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "?")
+
+
+def _describe_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    return value
+
+
+def propagate(gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool) -> None:
+    """Run the inputs through the graph without leaving a trace on the model, buffers or RNG."""
+    with preserved(model), torch.no_grad():
+        if fake and device_of(model).type != "meta":
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+                _ShapeProp(gm).run(*fakes)
+        else:
+            _ShapeProp(gm).run(*inputs)
+
+
+def device_of(model: Any) -> torch.device:
+    if isinstance(model, nn.Module):
+        for tensor in (*model.parameters(), *model.buffers()):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def shape_source(model: Any, fake: bool) -> str:
+    if device_of(model).type == "meta":
+        return "meta"
+    return "FakeTensor" if fake else "ShapeProp"
+
+
+def empty_inputs(model: Any, input_shape: Sequence[Any], dtype: torch.dtype) -> tuple[Any, ...]:
+    shapes = [input_shape] if all(isinstance(d, int) for d in input_shape) else list(input_shape)
+    device = device_of(model)
+    return tuple(torch.empty(tuple(shape), dtype=dtype, device=device) for shape in shapes)
+
+
+def metadata_from_values(gm: fx.GraphModule) -> None:
+    """Record ``tensor_meta`` and ``type`` from the values a tracer left in ``meta["val"]``.
+
+    ``make_fx`` and ``torch.export`` keep the (fake) value of every node; this
+    gives the converter the same metadata :class:`_ShapeProp` would, without
+    running anything again. Symbolic sizes that have no concrete value become
+    their expression as a string (``"u0"``).
+    """
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            node.meta["type"] = type(node.args[0])
+            metas = map_aggregate(node.args[0], lambda n: n.meta.get("tensor_meta") if isinstance(n, fx.Node) else None)
+            if any(m is not None for m in pytree.tree_leaves(metas)):
+                node.meta["tensor_meta"] = metas
+            continue
+        if "val" not in node.meta:
+            continue
+        meta = map_aggregate(node.meta["val"], _metadata_of)
+        if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(node.meta["val"])):
+            node.meta["tensor_meta"] = meta
+        value = node.meta["val"]
+        node.meta["type"] = torch.Tensor if isinstance(value, torch.Tensor) else type(value)
+
+
+def _metadata_of(obj: Any) -> Any:
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    shape = tuple(_concrete(d) for d in obj.shape)
+    try:
+        return _extract_tensor_metadata(obj)._replace(shape=shape)
+    except Exception:  # strides of data-dependent sizes cannot be evaluated
+        return TensorMetadata(shape, obj.dtype, obj.requires_grad, None, None, False, {})
+
+
+def _concrete(dim: Any) -> int | str:
+    if isinstance(dim, int):
+        return dim
+    try:
+        return int(dim)
+    except Exception:  # an unbacked size such as u0: data-dependent, no value known
+        return str(dim)
