@@ -21,6 +21,7 @@ __all__ = [
     "format_summary",
     "node_depths",
     "scope_subgraph",
+    "short_name",
     "skip_connections",
     "summary",
     "topological_order",
@@ -324,6 +325,9 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
     ]
     return {
         "model": G.graph.get("model"),
+        "capture": G.graph.get("capture"),
+        "level": G.graph.get("level", "module"),
+        "opaque_modules": list(G.graph.get("opaque_modules", [])),
         "nodes": G.number_of_nodes(),
         "edges": G.number_of_edges(),
         "census": census(G),
@@ -336,11 +340,25 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
     }
 
 
+def short_name(target: str) -> str:
+    """The last meaningful part of a qualified target: ``conv2d`` for ``torch.ops.aten.conv2d.default``.
+
+    Examples
+    --------
+    >>> short_name("torch.nn.modules.conv.Conv2d"), short_name("torch.ops.aten.add.Tensor")
+    ('Conv2d', 'add')
+    """
+    if target.startswith("torch.ops.") and target.count(".") >= 3:
+        return target.split(".")[3]
+    return target.rsplit(".", 1)[-1]
+
+
 def format_summary(info: dict[str, Any], top: int = 8) -> str:
     """A terminal table of :func:`summary`'s result."""
     shape = info["largest_activation"]["shape"]
     rows = [
         ("model", info["model"]),
+        ("captured by", f"{info['capture']} ({info['level']} level)"),
         ("nodes / edges", f"{info['nodes']} / {info['edges']}"),
         ("parameters", f"{info['num_params']:,}" if info["num_params"] is not None else "?"),
         ("depth (longest path)", info["depth"]),
@@ -356,9 +374,11 @@ def format_summary(info: dict[str, Any], top: int = 8) -> str:
             f"({info['largest_activation']['nbytes'] / 2**20:.2f} MiB)",
         ),
     ]
+    if info["opaque_modules"]:
+        rows.append(("opaque (not traced)", ", ".join(info["opaque_modules"])))
     rows += [("nodes by op", "")] + [(f"  {op}", n) for op, n in info["census"].items()]
     targets = list(info["targets"].items())
     rows += [(f"most called (top {min(top, len(targets))})", "")]
-    rows += [(f"  {t.rsplit('.', 1)[-1]}", n) for t, n in targets[:top]]
+    rows += [(f"  {short_name(t)}", n) for t, n in targets[:top]]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -56,6 +56,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     for fmt in ("png", "svg", "json"):
         conv.add_argument(f"--{fmt}", action="store_true", help=f"also write a .{fmt} beside it")
+    conv.add_argument(
+        "--level", choices=("module", "aten", "joint"), default="module",
+        help="module calls (default), ATen operators, or the joint forward+backward ATen graph",
+    )
+    conv.add_argument(
+        "--routes", default="auto", metavar="ROUTE[,ROUTE]",
+        help="capture routes to try in order: symbolic_trace, export, draft_export, make_fx "
+        "(default: all of them)",
+    )
+    conv.add_argument(
+        "--leaf-on-failure", action="store_true",
+        help="keep a submodule that symbolic tracing fails in as one opaque node",
+    )
     conv.set_defaults(run=_convert)
 
     info = commands.add_parser(
@@ -154,7 +167,11 @@ def _convert(args: argparse.Namespace) -> int:
         _status(f"[{i}/{len(args.models)}] {spec}: building, tracing, propagating shapes…", end="")
         start = time.perf_counter()
         model = load_model(spec).eval()
-        G = convert(model.to(inputs[0].dtype) if inputs else model, *inputs)
+        G = convert(
+            model.to(inputs[0].dtype) if inputs else model, *inputs, level=args.level,
+            routes=args.routes if args.routes == "auto" else args.routes.split(","),
+            leaf_on_failure=args.leaf_on_failure,
+        )
         if folder is not None:
             stem = folder / name
         elif args.output:

@@ -20,7 +20,7 @@ from typing import Any
 
 import networkx as nx
 
-from .analysis import topological_order
+from .analysis import short_name, topological_order
 from .errors import FxnxError, FxnxValueError
 
 __all__ = ["GraphvizNotFoundError", "draw", "to_pydot"]
@@ -269,13 +269,17 @@ def _grouped(G: nx.MultiDiGraph, group: dict[str, str]) -> nx.MultiDiGraph:
         for attr in ("credit_norm", "out_shape"):  # the value at the module's output
             if data.get(attr) is not None:
                 H.nodes[key][attr] = data[attr]
-    seen = set()
+    bundles: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for u, v, data in G.edges(data=True):
-        gu, gv = group[u], group[v]
-        if gu == gv or (gu, gv, str(data.get("shape"))) in seen:
-            continue
-        seen.add((gu, gv, str(data.get("shape"))))
-        H.add_edge(gu, gv, **_without_roles(data))
+        if group[u] != group[v]:
+            bundles.setdefault((group[u], group[v]), []).append(data)
+    for (gu, gv), edges in bundles.items():
+        # One edge per pair of nodes; several distinct tensors become one edge that counts them.
+        distinct = {str(d.get("shape")) for d in edges}
+        data = _without_roles(edges[0])
+        if len(distinct) > 1:
+            data.update(shape=None, tensors=len(distinct))
+        H.add_edge(gu, gv, **data)
     return H
 
 
@@ -293,10 +297,7 @@ def _kind(data: dict[str, Any]) -> str:
     if op == "call_method":
         return f".{data['target']}()"
     if op == "call_function":
-        target = data["target"]
-        if target.startswith("torch.ops."):  # torch.ops.aten.convolution.default: convolution
-            return target.split(".")[3]
-        return target.rsplit(".", 1)[-1]
+        return short_name(data["target"])
     return {"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(op, op or "")
 
 
@@ -314,7 +315,7 @@ def _node_style(
     if data.get("op") == "module" and data.get("members"):
         lines[-1] = lines[-1].replace("</FONT>", f" · {data['members']} ops</FONT>")
     style = {"label": "<" + "<BR/>".join(lines) + ">"}
-    fill = FILLS[zlib.crc32(kind.encode()) % len(FILLS)]
+    fill = FILLS[zlib.crc32((primal["kind"] if primal else kind).encode()) % len(FILLS)]
     if scale is not None:
         value = data.get(scale.attr)
         fill = scale.color(value) if value is not None else "#FFFFFF"
@@ -350,6 +351,8 @@ def _edge_style(data: dict[str, Any]) -> dict[str, str]:
     shape = data.get("shape")
     if isinstance(shape, tuple):
         style["xlabel"] = " " + "×".join(map(str, shape)) + " "
+    elif data.get("tensors"):
+        style.update(xlabel=f" {data['tensors']} tensors ", penwidth="2")
     role = data.get("branch_role")
     if role == "skip":
         style.update(color=SKIP, penwidth="2.5")

@@ -59,6 +59,12 @@ def main() -> None:
     Gd = fxnx.convert(densenet, torch.randn(1, 3, 224, 224))
     fxnx.draw(fxnx.scope_subgraph(Gd, "features.denseblock1"), out / "densenet121_block1.png",
               depth=3, dpi=150)
+    # The joint forward + backward ATen graph: a small MLP in full, ResNet-18 by stage.
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fxnx.draw(fxnx.convert(mlp, torch.randn(2, 4), level="joint"), out / "mlp_joint.png", dpi=110)
+    Gj = fxnx.convert(resnet18, torch.randn(1, 3, 224, 224), level="joint")
+    fxnx.skip_connections(Gj)
+    fxnx.draw(Gj, out / "resnet18_joint_stages.png", depth=1, dpi=100)
     for path in sorted(out.glob("*.png")):
         print(path)
 

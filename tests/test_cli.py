@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -171,3 +172,32 @@ def test_draw_errors_are_one_line(argv, message, tmp_path, capsys):
 
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err
+
+
+def test_convert_a_joint_graph_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "r18.pkl"
+    args = ["convert", "resnet18", "--input-shape", "1,3,32,32", "--level", "joint", "-o", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"captured by\s+make_fx \(joint level\)", text)
+    assert re.search(r"\n  convolution_backward\s+20\n", text)  # one per Conv2d of ResNet-18
+    G = fxnx.read_pickle(out)
+    assert G.graph["level"] == "joint" and G.graph["tangents"] == {"tangents_1": "output[0]"}
+
+
+def test_routes_and_leaf_on_failure_from_the_command_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "gated_model.py").write_text(
+        "import torch\n"
+        "class Gate(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x if x.sum() > 0 else -x\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 4), Gate())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["convert", "gated_model:build", "--input-shape", "2,4", "--leaf-on-failure"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"captured by\s+symbolic_trace \(module level\)", text)
+    assert re.search(r"opaque \(not traced\)\s+1\n", text)
+    assert main(["convert", "gated_model:build", "--input-shape", "2,4", "--routes", "symbolic_trace"]) == 1
+    assert "inside submodule '1'" in capsys.readouterr().err

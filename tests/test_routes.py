@@ -196,7 +196,9 @@ def test_bad_routes_are_value_errors(options, match):
 def test_the_make_fx_route_records_parameters_as_primals():
     torch.manual_seed(0)
     model, x = Gated().eval(), torch.randn(2, 4)
-    G = fxnx.convert(model, x, routes="make_fx")
+    with pytest.warns(UserWarning, match="holds for such inputs only"):
+        G = fxnx.convert(model, x, routes="make_fx")
+    assert G.graph["specialised"] is True
     assert G.graph["capture"] == "make_fx" and G.graph["level"] == "aten"
     assert [p["name"] for p in G.graph["primals"].values()] == ["a.weight", "a.bias", "b.weight", "b.bias", "x"]
     assert G.graph["num_params"] == sum(p.numel() for p in model.parameters())
