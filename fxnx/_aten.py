@@ -21,6 +21,7 @@ Two annotations ride along through :mod:`torch.fx.traceback`:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,9 +157,8 @@ def _input_leaf(value: torch.Tensor, joint: bool) -> torch.Tensor:
 
 def _leaf_names(model: nn.Module, inputs: Sequence[Any]) -> list[str]:
     """``forward``'s parameter name with the path into it, for each pytree leaf of the inputs."""
-    import inspect
-
-    names = [p.name for p in inspect.signature(model.forward).parameters.values()]
+    forward = getattr(model, "fn", None) if type(model).__name__ == "_Wrapped" else None
+    names = [p.name for p in inspect.signature(forward or model.forward).parameters.values()]
     out = []
     for path, _ in pytree.tree_flatten_with_path(tuple(inputs))[0]:
         index = path[0].idx if path else 0

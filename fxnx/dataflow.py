@@ -6,8 +6,10 @@ Nothing here runs the model: it reads the fx graph and the metadata that
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
@@ -21,6 +23,7 @@ from ._version import FORMAT_VERSION, __version__
 from .tracing import Capture, LeafSpec, capture
 
 __all__ = ["convert", "graph_from_capture"]
+
 
 def convert(
     model: nn.Module | Callable[..., Any],
@@ -98,20 +101,39 @@ def convert(
     >>> G.nodes["mul"]["target"], G.nodes["mul"]["out_shape"]
     ('operator.mul', (2, 3))
     """
-    cap = capture(
-        model,
-        example_inputs,
-        kwargs,
-        leaf_modules=leaf_modules,
-        concrete_args=concrete_args,
-        input_shape=input_shape,
-        dtype=dtype,
-        fake=fake,
-        level=level,
-        routes=routes,
-        leaf_on_failure=leaf_on_failure,
-    )
-    return graph_from_capture(cap)
+    with _collection_paused():
+        cap = capture(
+            model,
+            example_inputs,
+            kwargs,
+            leaf_modules=leaf_modules,
+            concrete_args=concrete_args,
+            input_shape=input_shape,
+            dtype=dtype,
+            fake=fake,
+            level=level,
+            routes=routes,
+            leaf_on_failure=leaf_on_failure,
+        )
+        return graph_from_capture(cap)
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a graph is built.
+
+    Tracing and conversion allocate several objects per node and free almost
+    none; each full collection walks every one of them, so collections made
+    conversion time grow faster than the node count (14x for 10x the nodes).
+    Anything cyclic left behind is collected once the collector runs again.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:

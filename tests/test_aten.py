@@ -228,3 +228,9 @@ def test_credit_is_not_routed_over_a_joint_graph():
     G = fxnx.convert(model, x, level="joint")
     with pytest.raises(fxnx.FxnxValueError, match="level='module'"):
         fxnx.route_credit(G, model, x)
+
+
+def test_a_plain_function_keeps_its_argument_names():
+    G = fxnx.convert(lambda x, scale: (x * scale).sin(), torch.randn(3), torch.randn(3), level="joint")
+    assert [p["name"] for p in G.graph["primals"].values()] == ["x", "scale"]
+    assert set(G.graph["gradients"]) == {"x", "scale"}

@@ -354,3 +354,20 @@ def test_input_shape_for_several_inputs_and_its_errors():
     assert G.nodes["cat"]["out_shape"] == (2, 8) and G.nodes["cat"]["out_dtype"] == "torch.float64"
     with pytest.raises(fxnx.FxnxTypeError, match="example inputs or input_shape, not both"):
         fxnx.convert(f, torch.zeros(2, 3), input_shape=[(2, 3), (2, 5)])
+
+
+def test_converting_leaves_the_garbage_collector_as_it_was():
+    import gc
+
+    assert gc.isenabled()
+    fxnx.convert(torch.nn.Linear(3, 2), torch.randn(1, 3))
+    assert gc.isenabled()
+    with pytest.raises(fxnx.ShapePropagationError):
+        fxnx.convert(torch.nn.Linear(3, 2), torch.randn(1, 4))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        fxnx.convert(torch.nn.Linear(3, 2), torch.randn(1, 3))
+        assert not gc.isenabled()  # a caller who turned it off keeps it off
+    finally:
+        gc.enable()

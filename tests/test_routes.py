@@ -144,17 +144,20 @@ def test_credit_routes_exactly_over_a_graph_with_an_opaque_leaf():
         assert torch.linalg.vector_norm(res.param_credit[name] - grad) <= 1e-12 * grad.norm()
 
 
-def test_credit_routes_exactly_over_a_graph_from_torch_export():
+@pytest.mark.parametrize(("build", "route"), [(LoopOverSize, "export"), (Gated, "draft_export")])
+def test_credit_routes_exactly_over_a_graph_from_torch_export(build, route):
     torch.manual_seed(0)
-    model = LoopOverSize().double().eval()
+    model = build().double().eval()
     x = torch.randn(3, 4, dtype=torch.float64)
-    G = fxnx.convert(model, x)
-    assert G.graph["capture"] == "export"
-    res = fxnx.route_credit(G, model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        G = fxnx.convert(model, x)
+        assert G.graph["capture"] == route
+        res = fxnx.route_credit(G, model, x)
     x_ = x.clone().requires_grad_()
-    grads = torch.autograd.grad(model(x_).sum(), [x_, model.a.weight, model.a.bias])
+    grads = torch.autograd.grad(model(x_).sum(), [x_, *model.parameters()])
     assert torch.linalg.vector_norm(res.node_credit["x"] - grads[0]) <= 1e-12 * grads[0].norm()
-    for name, grad in zip(["a.weight", "a.bias"], grads[1:], strict=True):
+    for (name, _), grad in zip(model.named_parameters(), grads[1:], strict=True):
         assert torch.linalg.vector_norm(res.param_credit[name] - grad) <= 1e-12 * grad.norm()
 
 
