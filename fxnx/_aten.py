@@ -34,11 +34,12 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from ._routes import FunctionModule
 from ._shapes import metadata_from_values
 from ._state import preserved
 from .errors import CaptureError, FxnxValueError, first_line
 
-__all__ = ["AtenCapture", "capture_aten"]
+__all__ = ["AtenCapture", "capture_aten", "reads_tensor_values"]
 
 _MODULES = "fxnx_module_stack"
 _PHASE = "fxnx_phase"
@@ -143,11 +144,16 @@ def capture_aten(
         for k, exists in zip(wrt, present, strict=True):
             name = primals[f"primals_{k + 1}"]["name"]
             gradients[name] = next(grad_nodes).name if exists else None
-    specialised = any(
+    return AtenCapture(gm, primals, tangents, gradients, reads_tensor_values(gm))
+
+
+def reads_tensor_values(gm: fx.GraphModule) -> bool:
+    """Whether the traced code read a tensor's value into Python (``.item()``, ``if x.sum() > 0``):
+    the graph then follows the branches the example input took."""
+    return any(
         n.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
         for n in gm.graph.nodes
     )
-    return AtenCapture(gm, primals, tangents, gradients, specialised)
 
 
 def _input_leaf(value: torch.Tensor, joint: bool) -> torch.Tensor:
@@ -157,8 +163,8 @@ def _input_leaf(value: torch.Tensor, joint: bool) -> torch.Tensor:
 
 def _leaf_names(model: nn.Module, inputs: Sequence[Any]) -> list[str]:
     """``forward``'s parameter name with the path into it, for each pytree leaf of the inputs."""
-    forward = getattr(model, "fn", None) if type(model).__name__ == "_Wrapped" else None
-    names = [p.name for p in inspect.signature(forward or model.forward).parameters.values()]
+    forward = model.fn if isinstance(model, FunctionModule) else model.forward
+    names = [p.name for p in inspect.signature(forward).parameters.values()]
     out = []
     for path, _ in pytree.tree_flatten_with_path(tuple(inputs))[0]:
         index = path[0].idx if path else 0

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ._state import preserved
 from .errors import CaptureError, first_line
 
-__all__ = ["ROUTES", "export_route", "quiet"]
+__all__ = ["ROUTES", "FunctionModule", "as_module", "export_route", "quiet"]
 
 #: Every capture route, in the order ``routes="auto"`` tries them.
 ROUTES = ("symbolic_trace", "export", "draft_export", "make_fx")
@@ -39,7 +39,7 @@ ROUTES = ("symbolic_trace", "export", "draft_export", "make_fx")
 
 def export_route(model: nn.Module | Callable[..., Any], inputs: Sequence[Any], *, draft: bool) -> fx.GraphModule:
     """The graph ``torch.export`` (non-strict) or ``torch.export.draft_export`` makes."""
-    module = model if isinstance(model, nn.Module) else _Wrapped(model)
+    module = as_module(model)
     args = tuple(inputs)
     name = "torch.export.draft_export" if draft else "torch.export.export(strict=False)"
     try:
@@ -61,8 +61,14 @@ def export_route(model: nn.Module | Callable[..., Any], inputs: Sequence[Any], *
     return gm
 
 
-class _Wrapped(nn.Module):
-    """A plain function as a module, for ``torch.export``, which takes only modules."""
+def as_module(model: nn.Module | Callable[..., Any]) -> nn.Module:
+    """``model`` itself, or a plain function wrapped as a module (``torch.export`` and
+    ``functional_call`` take only modules)."""
+    return model if isinstance(model, nn.Module) else FunctionModule(model)
+
+
+class FunctionModule(nn.Module):
+    """A plain function as a module; ``fn`` keeps the function and its signature."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         super().__init__()

@@ -22,9 +22,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._aten import AtenCapture, capture_aten
-from ._routes import ROUTES, export_route, quiet
-from ._shapes import device_of, empty_inputs, shape_source
+from ._aten import AtenCapture, capture_aten, reads_tensor_values
+from ._routes import ROUTES, as_module, export_route, quiet
+from ._shapes import empty_inputs, shape_source
 from ._shapes import propagate as propagate_shapes
 from .errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
 
@@ -180,21 +180,17 @@ def capture(
     inputs = _bind_inputs(model, args, kwargs, concrete_args or {})
     if level != "module":
         return _capture_aten(model, inputs, level, fake)
+    aten = None
     if isinstance(model, fx.GraphModule):
-        gm, method, failures, opaque = _copy_graph_module(model), "graph_module", (), ()
+        gm, method, failures, opaque = _copy_graph_module(model), "graph_module", [], []
     else:
-        gm, method, failures, opaque = _ladder(
+        gm, method, failures, opaque, aten = _ladder(
             model, inputs, route_names, leaf_modules, dict(concrete_args or {}), leaf_on_failure
         )
-    aten = None
-    if method == "make_fx":
-        gm, aten = gm.gm, gm  # make_fx recorded every shape while it ran the inputs
-        run = True
-    else:
-        run = propagate and inputs is not None
-        if run:
-            flat = pytree.tree_leaves(tuple(inputs)) if method != "symbolic_trace" else inputs
-            propagate_shapes(gm, model, flat, fake)
+    run = aten is not None or (propagate and inputs is not None)  # make_fx recorded every shape
+    if run and aten is None:
+        flat = pytree.tree_leaves(tuple(inputs)) if method != "symbolic_trace" else inputs
+        propagate_shapes(gm, model, flat, fake)
     return Capture(
         gm=gm, model=model, method=method, propagated=run, inputs=inputs,
         shape_source=(_source(model, fake, method) if run else None),
@@ -211,7 +207,7 @@ def _route_names(routes: str | Sequence[str], level: str) -> tuple[str, ...]:
             f"unknown capture route {unknown or routes!r}; routes are 'auto' or any of "
             f"{', '.join(map(repr, ROUTES))}"
         )
-    if level != "module" and routes not in ("auto", "make_fx", ("make_fx",), ["make_fx"]):
+    if level != "module" and routes != "auto" and names != ("make_fx",):
         raise FxnxValueError(
             f"level={level!r} is always captured with make_fx; leave routes='auto'"
         )
@@ -225,27 +221,29 @@ def _ladder(
     leaf_modules: Iterable[LeafSpec],
     concrete_args: dict[str, Any],
     leaf_on_failure: bool,
-) -> tuple[Any, str, list[tuple[str, str]], list[str]]:
-    """Try each route in turn; the first graph wins. Raise with every route's reason if none works."""
+) -> tuple[fx.GraphModule, str, list[tuple[str, str]], list[str], AtenCapture | None]:
+    """Try each route in turn; the first graph wins. Raise with every route's reason if none works.
+
+    Returns the graph, the route, the earlier routes' failures, the submodules
+    kept opaque, and for ``make_fx`` what its inputs stand for.
+    """
     failures: list[tuple[str, str]] = []
     errors: list[CaptureError] = []
     for route in route_names:
         try:
             if route == "symbolic_trace":
                 gm, opaque = _trace(model, leaf_modules, concrete_args, leaf_on_failure)
-                return gm, route, failures, opaque
+                return gm, route, failures, opaque, None
             if inputs is None:
                 raise CaptureError(f"{route} needs example inputs (or input_shape=) to run the model")
             if route == "make_fx":
-                if not isinstance(model, nn.Module):
-                    model = _as_module(model)
                 with quiet():
-                    result = capture_aten(model, inputs, joint=False)
+                    result = capture_aten(as_module(model), inputs, joint=False)
                 _warn_specialised(route, result.specialised)
-                return result, route, failures, []
+                return result.gm, route, failures, [], result
             gm = export_route(model, inputs, draft=route == "draft_export")
-            _warn_specialised(route, route == "draft_export" and _reads_values(gm))
-            return gm, route, failures, []
+            _warn_specialised(route, route == "draft_export" and reads_tensor_values(gm))
+            return gm, route, failures, [], None
         except CaptureError as err:
             failures.append((route, first_line(err)))
             errors.append(err)
@@ -270,32 +268,17 @@ def _warn_specialised(route: str, specialised: bool) -> None:
         )
 
 
-def _reads_values(gm: fx.GraphModule) -> bool:
-    return any(
-        n.target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
-        for n in gm.graph.nodes
-    )
-
-
 def _capture_aten(model: Any, inputs: list[Any] | None, level: str, fake: bool) -> Capture:
     if inputs is None:
         raise FxnxTypeError(
             f"level={level!r} runs the model: pass example inputs or input_shape="
         )
-    module = model if isinstance(model, nn.Module) else _as_module(model)
-    result = capture_aten(module, inputs, joint=level == "joint", fake=fake)
+    result = capture_aten(as_module(model), inputs, joint=level == "joint", fake=fake)
     _warn_specialised("make_fx", result.specialised)
-    source = "meta" if device_of(model).type == "meta" else "FakeTensor" if fake else "make_fx"
     return Capture(
         gm=result.gm, model=model, method="make_fx", propagated=True, inputs=inputs,
-        shape_source=source, level=level, aten=result,
+        shape_source=_source(model, fake, "make_fx"), level=level, aten=result,
     )
-
-
-def _as_module(fn: Callable[..., Any]) -> nn.Module:
-    from ._routes import _Wrapped
-
-    return _Wrapped(fn)
 
 
 def _source(model: Any, fake: bool, method: str) -> str:
