@@ -185,7 +185,8 @@ def capture(
         gm, method, failures, opaque = _copy_graph_module(model), "graph_module", [], []
     else:
         gm, method, failures, opaque, aten = _ladder(
-            model, inputs, route_names, leaf_modules, dict(concrete_args or {}), leaf_on_failure
+            model, inputs, route_names, leaf_modules, dict(concrete_args or {}), leaf_on_failure,
+            fake,
         )
     run = aten is not None or (propagate and inputs is not None)  # make_fx recorded every shape
     if run and aten is None:
@@ -221,6 +222,7 @@ def _ladder(
     leaf_modules: Iterable[LeafSpec],
     concrete_args: dict[str, Any],
     leaf_on_failure: bool,
+    fake: bool,
 ) -> tuple[fx.GraphModule, str, list[tuple[str, str]], list[str], AtenCapture | None]:
     """Try each route in turn; the first graph wins. Raise with every route's reason if none works.
 
@@ -238,7 +240,7 @@ def _ladder(
                 raise CaptureError(f"{route} needs example inputs (or input_shape=) to run the model")
             if route == "make_fx":
                 with quiet():
-                    result = capture_aten(as_module(model), inputs, joint=False)
+                    result = capture_aten(as_module(model), inputs, joint=False, fake=fake)
                 _warn_specialised(route, result.specialised)
                 return result.gm, route, failures, [], result
             gm = export_route(model, inputs, draft=route == "draft_export")

@@ -208,6 +208,19 @@ def test_the_make_fx_route_records_parameters_as_primals():
     assert G.nodes["output"]["out_shape"] == [(2, 4)]
 
 
+def test_the_make_fx_route_runs_fake_tensors_when_asked():
+    seen = []
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            seen.append(type(x).__name__)
+            return x * 2
+
+    G = fxnx.convert(Spy(), torch.randn(2, 3), routes="make_fx", fake=True)
+    assert seen == ["FakeTensor"] and G.graph["shape_source"] == "FakeTensor"
+    assert G.nodes["output"]["out_shape"] == [(2, 3)]
+
+
 @pytest.mark.slow
 def test_a_torchvision_detection_model_converts_through_the_ladder(tmp_path):
     torch.manual_seed(0)
