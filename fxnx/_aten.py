@@ -199,38 +199,61 @@ def _tangents(
     return differentiable, tangents
 
 
+class _OpenAnnotations:
+    """``fx_traceback.annotate`` blocks opened in one hook and closed in a later one.
+
+    Used as a context manager, it removes its hooks and closes whatever a
+    failing forward or backward left open.
+    """
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self._open: list[contextlib.AbstractContextManager[Any]] = []
+
+    def open(self, annotation: dict[str, Any]) -> None:
+        block = fx_traceback.annotate(annotation)
+        block.__enter__()
+        self._open.append(block)
+
+    def close(self) -> bool:
+        """Close the innermost open block; False when none was open."""
+        if not self._open:
+            return False
+        self._open.pop().__exit__(None, None, None)
+        return True
+
+    def __enter__(self) -> _OpenAnnotations:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        while self.close():
+            pass
+
+
 @contextlib.contextmanager
 def _module_stacks(model: nn.Module) -> Iterator[None]:
     """Annotate every node with the module call stack active when it was recorded."""
     stack: list[str] = []
-    entered: list[contextlib.AbstractContextManager[Any]] = []
 
     def enter(path: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             stack.append(path)
-            annotation = fx_traceback.annotate({_MODULES: tuple(stack)})
-            annotation.__enter__()
-            entered.append(annotation)
+            annotations.open({_MODULES: tuple(stack)})
 
         return hook
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        if entered:
-            entered.pop().__exit__(None, None, None)
+        if annotations.close():
             stack.pop()
 
-    handles = []
-    for path, module in model.named_modules():
-        if path:
-            handles.append(module.register_forward_pre_hook(enter(path)))
-            handles.append(module.register_forward_hook(leave, always_call=True))
-    try:
+    with _OpenAnnotations() as annotations:
+        for path, module in model.named_modules():
+            if path:
+                annotations.handles.append(module.register_forward_pre_hook(enter(path)))
+                annotations.handles.append(module.register_forward_hook(leave, always_call=True))
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        while entered:
-            entered.pop().__exit__(None, None, None)
 
 
 @contextlib.contextmanager
@@ -242,38 +265,25 @@ def _backward_provenance(outputs: list[torch.Tensor]) -> Iterator[None]:
     the engine adds between nodes (summing the gradients of a tensor used
     twice) carry no tag.
     """
-    handles = []
-    entered: list[contextlib.AbstractContextManager[Any]] = []
 
     def before(seq: int) -> Any:
-        def hook(grads: Any) -> None:
-            annotation = fx_traceback.annotate({_GRAD_FN: seq})
-            annotation.__enter__()
-            entered.append(annotation)
+        return lambda grads: annotations.open({_GRAD_FN: seq})
 
-        return hook
+    def after(grads_in: Any, grads_out: Any) -> None:  # an autograd hook must return None
+        annotations.close()
 
-    def after(grads_in: Any, grads_out: Any) -> None:
-        if entered:
-            entered.pop().__exit__(None, None, None)
-
-    seen: set[Any] = set()
-    todo = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while todo:
-        fn = todo.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        handles.append(fn.register_prehook(before(fn._sequence_nr())))
-        handles.append(fn.register_hook(after))
-        todo.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
-    try:
+    with _OpenAnnotations() as annotations:
+        seen: set[Any] = set()
+        todo = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        while todo:
+            fn = todo.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            annotations.handles.append(fn.register_prehook(before(fn._sequence_nr())))
+            annotations.handles.append(fn.register_hook(after))
+            todo.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        while entered:
-            entered.pop().__exit__(None, None, None)
 
 
 def _finish_metadata(gm: fx.GraphModule, model: nn.Module, joint: bool) -> None:
