@@ -53,18 +53,7 @@ class _ShapeProp(fx.Interpreter):
                 "What to do: check the example inputs' shapes and dtypes against what the "
                 "model expects."
             ) from err
-        tensors = []
-
-        def extract(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                tensors.append(obj)
-                return _extract_tensor_metadata(obj)
-            return obj
-
-        meta = map_aggregate(result, extract)
-        if tensors:
-            n.meta["tensor_meta"] = meta
-        n.meta["type"] = torch.Tensor if isinstance(result, FakeTensor) else type(result)
+        _record(n, result)
         return result
 
 
@@ -126,23 +115,34 @@ def metadata_from_values(gm: fx.GraphModule) -> None:
             if any(m is not None for m in pytree.tree_leaves(metas)):
                 node.meta["tensor_meta"] = metas
             continue
-        if "val" not in node.meta:
-            continue
-        meta = map_aggregate(node.meta["val"], _metadata_of)
-        if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(node.meta["val"])):
-            node.meta["tensor_meta"] = meta
-        value = node.meta["val"]
-        node.meta["type"] = torch.Tensor if isinstance(value, torch.Tensor) else type(value)
+        if "val" in node.meta:
+            _record(node, node.meta["val"])
 
 
-def _metadata_of(obj: Any) -> Any:
-    if not isinstance(obj, torch.Tensor):
+def _record(node: fx.Node, value: Any) -> None:
+    """Store what ShapeProp stores: ``tensor_meta`` of the tensors in ``value``, and its ``type``."""
+    tensors = []
+
+    def extract(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            return _metadata_of(obj)
         return obj
-    shape = tuple(_concrete(d) for d in obj.shape)
+
+    meta = map_aggregate(value, extract)
+    if tensors:
+        node.meta["tensor_meta"] = meta
+    node.meta["type"] = torch.Tensor if isinstance(value, FakeTensor) else type(value)
+
+
+def _metadata_of(tensor: torch.Tensor) -> TensorMetadata:
+    if all(type(d) is int for d in tensor.shape):
+        return _extract_tensor_metadata(tensor)
+    shape = tuple(_concrete(d) for d in tensor.shape)  # symbolic sizes from a tracer
     try:
-        return _extract_tensor_metadata(obj)._replace(shape=shape)
+        return _extract_tensor_metadata(tensor)._replace(shape=shape)
     except Exception:  # strides of data-dependent sizes cannot be evaluated
-        return TensorMetadata(shape, obj.dtype, obj.requires_grad, None, None, False, {})
+        return TensorMetadata(shape, tensor.dtype, tensor.requires_grad, None, None, False, {})
 
 
 def _concrete(dim: Any) -> int | str:
