@@ -129,8 +129,13 @@ def _carries_tensor(G: nx.MultiDiGraph, source: str) -> bool:
     return G.nodes[source].get("op") != "get_attr"
 
 
+#: The node that feeds every source of the data flow, for the dominator tree; no fx name equals it.
+_ROOT = ("fxnx", "root")
+
+
 def _data_flow(G: nx.MultiDiGraph) -> nx.DiGraph:
-    """The part of ``G`` that data flows through: the tensors downstream of an input.
+    """The part of ``G`` that data flows through: the tensors downstream of an input,
+    all fed from :data:`_ROOT`.
 
     Parameters and buffers (``get_attr`` nodes, and the ``primals_*`` inputs
     standing for them in ATen-level graphs) are not sources: a path through a
@@ -150,10 +155,10 @@ def _data_flow(G: nx.MultiDiGraph) -> nx.DiGraph:
         # dtype None on a propagated graph: a shape or other plain value, not a tensor
         if dtype is not None or (G.nodes[u].get("out_type") is None and _carries_tensor(G, u))
     )
-    tensors.add_nodes_from(sources)
-    reach = set(sources).union(*(nx.descendants(tensors, s) for s in sources))
+    tensors.add_edges_from((_ROOT, s) for s in sources)
+    reach = nx.descendants(tensors, _ROOT) | {_ROOT}
     flow = nx.DiGraph(tensors.subgraph(reach).edges())
-    flow.add_nodes_from(reach)
+    flow.add_node(_ROOT)
     return flow
 
 
@@ -206,13 +211,11 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
         if annotate:
             _annotate(G, [])
         return []
-    root = ("fxnx", "root")  # a key no fx node name can equal
-    flow.add_edges_from((root, n) for n in list(flow) if flow.in_degree(n) == 0)
-    idom = nx.immediate_dominators(flow, root)
+    idom = nx.immediate_dominators(flow, _ROOT)
     found = []
     for merge in merges:
         fork = idom[merge]
-        if fork == root:
+        if fork == _ROOT:
             continue
         below_fork = nx.descendants(flow, fork)
         inputs = sorted(
