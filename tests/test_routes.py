@@ -131,27 +131,21 @@ def test_leaf_on_failure_reaches_nested_submodules():
     assert G.nodes["_1_0"]["opaque"] is False
 
 
-def test_credit_routes_exactly_over_a_graph_with_an_opaque_leaf():
-    torch.manual_seed(0)
-    model = Gated().double().eval()
-    x = torch.randn(2, 4, dtype=torch.float64)
-    G = fxnx.convert(model, x, leaf_on_failure=True)
-    res = fxnx.route_credit(G, model, x)
-    x_ = x.clone().requires_grad_()
-    grads = torch.autograd.grad(model(x_).sum(), [x_, *model.parameters()])
-    assert torch.linalg.vector_norm(res.node_credit["x"] - grads[0]) <= 1e-12 * grads[0].norm()
-    for (name, _), grad in zip(model.named_parameters(), grads[1:], strict=True):
-        assert torch.linalg.vector_norm(res.param_credit[name] - grad) <= 1e-12 * grad.norm()
-
-
-@pytest.mark.parametrize(("build", "route"), [(LoopOverSize, "export"), (Gated, "draft_export")])
-def test_credit_routes_exactly_over_a_graph_from_torch_export(build, route):
+@pytest.mark.parametrize(
+    ("build", "options", "route"),
+    [
+        (Gated, dict(leaf_on_failure=True), "symbolic_trace"),  # around an opaque leaf
+        (LoopOverSize, {}, "export"),
+        (Gated, {}, "draft_export"),
+    ],
+)
+def test_credit_routes_exactly_over_fallback_and_opaque_graphs(build, options, route):
     torch.manual_seed(0)
     model = build().double().eval()
     x = torch.randn(3, 4, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        G = fxnx.convert(model, x)
+        G = fxnx.convert(model, x, **options)
         assert G.graph["capture"] == route
         res = fxnx.route_credit(G, model, x)
     x_ = x.clone().requires_grad_()
