@@ -314,6 +314,8 @@ def _node_style(
         lines.append(f'<FONT POINT-SIZE="10">{html.escape(kind)}</FONT>')
     if data.get("op") == "module" and data.get("members"):
         lines[-1] = lines[-1].replace("</FONT>", f" · {data['members']} ops</FONT>")
+    if data.get("opaque"):
+        lines.append('<FONT POINT-SIZE="9">opaque: not traced</FONT>')
     style = {"label": "<" + "<BR/>".join(lines) + ">"}
     fill = FILLS[zlib.crc32((primal["kind"] if primal else kind).encode()) % len(FILLS)]
     if scale is not None:
@@ -341,8 +343,6 @@ def _node_style(
         style["style"] = "rounded,filled,bold"
     if data.get("opaque"):
         style.update(style="rounded,filled,dashed", penwidth="2", color=OPAQUE)
-        lines.append('<FONT POINT-SIZE="9">opaque: not traced</FONT>')
-        style["label"] = "<" + "<BR/>".join(lines) + ">"
     return style
 
 
