@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set-up and entry points for fxnx. Run from anywhere:
 #   ./dev.sh demo            install everything, convert ResNet-18, write out/resnet18.pkl, print its summary
-#   ./dev.sh test [ARGS...]  install everything, run the whole test suite (ARGS go to pytest)
+#   ./dev.sh test [ARGS...]  install everything, run ruff and the whole test suite (ARGS go to pytest)
 #   ./dev.sh bench           install everything, run the benchmark scripts
-# The virtual environment (.venv, or $FXNX_VENV) is reused when it is complete and up to date.
+# The virtual environment (.venv, or $FXNX_VENV) is reused when it is complete and up to date;
+# it is installed with constraints/dev.txt, the exact torch builds development and CI use.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -26,15 +27,16 @@ need_graphviz() {
 need_venv() {
     # The stamp records what the venv was built from; a changed pyproject.toml rebuilds it.
     local stamp="$VENV/.fxnx-stamp" want
-    want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+    want=$(cat pyproject.toml constraints/dev.txt dev.sh | sha256sum | cut -d' ' -f1)
     if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
         return 0
     fi
     echo "dev.sh: building the virtual environment in $VENV (torch is large: a few minutes)" >&2
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench]" 2>&1 \
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints/dev.txt \
+        -e ".[test,bench]" 2>&1 \
         | grep -v "is ignored: it is neither a file nor a directory" || true
-    "$VENV/bin/python" -c "import fxnx, torch, torchvision, networkx, pydot, pytest, matplotlib, torchview" \
+    "$VENV/bin/python" -c "import fxnx, torch, torchvision, networkx, pydot, pytest, matplotlib, torchview, timm, transformers" \
         || { echo "dev.sh: the install failed; see the pip output above" >&2; exit 1; }
     echo "$want" > "$stamp"
 }
@@ -48,6 +50,8 @@ case "$cmd" in
         ;;
     test)
         need_graphviz; need_venv
+        echo "dev.sh: ruff check (style, as configured in pyproject.toml)" >&2
+        "$VENV/bin/ruff" check .
         exec "$VENV/bin/python" -m pytest -n 2 "$@"
         ;;
     bench)
