@@ -31,9 +31,8 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.func import functional_call
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 
+from ._compat import VALUE_READS, FakeTensorMode, make_fx_following_values, pytree, sequence_nr
 from ._routes import FunctionModule
 from ._shapes import metadata_from_values
 from ._state import preserved
@@ -126,11 +125,9 @@ def capture_aten(
 
     try:
         with preserved(model), _module_stacks(model), fx_traceback.preserve_node_meta():
-            gm = make_fx(
-                traced,
-                tracing_mode="fake" if fake else "real",
-                _error_on_data_dependent_ops=False,
-            )(primal_values, tangent_values)
+            gm = make_fx_following_values(traced, "fake" if fake else "real")(
+                primal_values, tangent_values
+            )
     except Exception as err:
         raise CaptureError(f"make_fx could not trace {type(model).__qualname__}: "
                            f"{type(err).__name__}: {first_line(err)}") from err
@@ -151,7 +148,7 @@ def reads_tensor_values(gm: fx.GraphModule) -> bool:
     """Whether the traced code read a tensor's value into Python (``.item()``, ``if x.sum() > 0``):
     the graph then follows the branches the example input took."""
     return any(
-        n.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+        n.target in VALUE_READS
         for n in gm.graph.nodes
     )
 
@@ -177,8 +174,6 @@ def _tangents(
     model: nn.Module, forward: Any, primal_values: list[torch.Tensor], fake: bool
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Which outputs are differentiable, and a tensor of ones for each (their incoming gradient)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with preserved(model), torch.no_grad(), mode:
         outs = forward([p.detach() for p in primal_values])
@@ -280,7 +275,9 @@ def _backward_provenance(outputs: list[torch.Tensor]) -> Iterator[None]:
             if fn in seen:
                 continue
             seen.add(fn)
-            annotations.handles.append(fn.register_prehook(before(fn._sequence_nr())))
+            seq = sequence_nr(fn)
+            if seq is not None:  # without it, backward ops take the scope their inputs share
+                annotations.handles.append(fn.register_prehook(before(seq)))
             annotations.handles.append(fn.register_hook(after))
             todo.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
         yield

@@ -25,8 +25,15 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.node import _get_qualified_name
-from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
+from torch.fx.operator_schemas import get_signature_for_torch_op
+
+from ._compat import (
+    OpOverload,
+    method_schema_signatures,
+    op_schema,
+    qualified_function_name,
+    schema_signature,
+)
 
 __all__ = ["bind_call", "fetch_attr", "occurrences", "qualified_name", "to_plain"]
 
@@ -140,28 +147,23 @@ def _module_signatures(cls: type) -> tuple[inspect.Signature, ...]:
 
 
 @cache
-def _schema_signatures(op: torch._ops.OpOverload) -> tuple[inspect.Signature, ...]:
-    try:
-        sig = _torchscript_schema_to_signature(op._schema)
-    except Exception:  # a schema torch itself cannot express as a signature
+def _schema_signatures(op: OpOverload) -> tuple[inspect.Signature, ...]:
+    schema = op_schema(op)
+    sig = schema_signature(schema) if schema is not None else None
+    if sig is None:
         return ()
     # torch.fx renames the schema's ``self`` to ``input``; keep the schema's own names.
-    names = [arg.name for arg in op._schema.arguments]
+    names = [arg.name for arg in schema.arguments]
     params = [p.replace(name=n) for p, n in zip(sig.parameters.values(), names, strict=True)]
     return (sig.replace(parameters=params),)
 
 
 @cache
 def _method_signatures(name: str) -> tuple[inspect.Signature, ...]:
-    try:
-        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")
-    except RuntimeError:
-        return ()
     sigs = []
-    for schema in schemas:
-        try:
-            sig = _torchscript_schema_to_signature(schema)
-        except Exception:  # a schema torch itself cannot express as a signature
+    for schema in method_schema_signatures(name):
+        sig = schema_signature(schema)
+        if sig is None:
             continue
         params = list(sig.parameters.values())
         if params:
@@ -171,7 +173,7 @@ def _method_signatures(name: str) -> tuple[inspect.Signature, ...]:
 
 
 def _function_signatures(target: Callable[..., Any]) -> tuple[inspect.Signature, ...]:
-    if isinstance(target, torch._ops.OpOverload):  # an ATen operator: its schema has the names
+    if isinstance(target, OpOverload):  # an ATen operator: its schema has the names
         return _schema_signatures(target)
     try:
         return _cached_function_signatures(target)
@@ -211,7 +213,7 @@ def qualified_name(target: Any) -> str:
             return target.__qualname__
         return f"{target.__module__}.{target.__qualname__}"
     try:
-        name = _get_qualified_name(target)
+        name = qualified_function_name(target)
     except Exception:  # not something fx knows how to name
         module = getattr(target, "__module__", None) or "?"
         name = f"{module}.{getattr(target, '__qualname__', type(target).__qualname__)}"

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from ._compat import pytree
 from ._state import preserved
 from .errors import CaptureError, first_line
 

@@ -16,12 +16,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_aggregate
-from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
-from torch.utils import _pytree as pytree
-from torch.utils._pytree import tree_map
+from torch.fx.passes.shape_prop import TensorMetadata
 
+from ._compat import FakeTensorMode, extract_tensor_metadata, is_fake, pytree
 from ._state import preserved
 from .errors import ShapePropagationError
 
@@ -44,7 +42,7 @@ class _ShapeProp(fx.Interpreter):
             result = super().run_node(n)
         except Exception as err:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            got = tree_map(_describe_value, (args, kwargs))
+            got = pytree.tree_map(_describe_value, (args, kwargs))
             raise ShapePropagationError(
                 f"shape propagation failed at fx node {n.name!r} ({n.op} {_target_str(n)}): "
                 f"{type(err).__name__}: {err}\n"
@@ -132,15 +130,15 @@ def _record(node: fx.Node, value: Any) -> None:
     meta = map_aggregate(value, extract)
     if tensors:
         node.meta["tensor_meta"] = meta
-    node.meta["type"] = torch.Tensor if isinstance(value, FakeTensor) else type(value)
+    node.meta["type"] = torch.Tensor if is_fake(value) else type(value)
 
 
 def _metadata_of(tensor: torch.Tensor) -> TensorMetadata:
     if all(type(d) is int for d in tensor.shape):
-        return _extract_tensor_metadata(tensor)
+        return extract_tensor_metadata(tensor)
     shape = tuple(_concrete(d) for d in tensor.shape)  # symbolic sizes from a tracer
     try:
-        return _extract_tensor_metadata(tensor)._replace(shape=shape)
+        return extract_tensor_metadata(tensor)._replace(shape=shape)
     except Exception:  # strides of data-dependent sizes cannot be evaluated
         return TensorMetadata(shape, tensor.dtype, tensor.requires_grad, None, None, False, {})
 

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ._aten import AtenCapture, capture_aten, reads_tensor_values
+from ._compat import pytree
 from ._routes import ROUTES, as_module, export_route, quiet
 from ._shapes import empty_inputs, shape_source
 from ._shapes import propagate as propagate_shapes

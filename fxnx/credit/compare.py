@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
+from .._compat import pytree
 from .router import CreditResult
 
 __all__ = ["credit_alignment"]
@@ -68,5 +68,5 @@ def credit_alignment(
 
 
 def _flat(credit: Any) -> Tensor | None:
-    tensors = [t.detach().reshape(-1).double() for t in tree_flatten(credit)[0] if isinstance(t, Tensor)]
+    tensors = [t.detach().reshape(-1).double() for t in pytree.tree_flatten(credit)[0] if isinstance(t, Tensor)]
     return torch.cat(tensors) if tensors else None

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .._callinfo import bind_call, fetch_attr, occurrences
+from .._compat import pytree
 
 __all__ = ["NodeCall", "record"]
 
@@ -96,7 +96,7 @@ class NodeCall:
             if not inputs or (self.wanted and not self.wanted[i]):
                 slots.append(None)
                 continue
-            flat, spec = tree_flatten(value)
+            flat, spec = pytree.tree_flatten(value)
             slots.append((spec, list(range(len(leaves), len(leaves) + len(flat)))))
             leaves.extend(flat)
         names = list(self.params) if params else []
@@ -114,7 +114,7 @@ class NodeCall:
         for slot in slots:
             parts = [result[k] for k in slot[1]] if slot else []
             found = any(p is not None for p in parts)
-            input_credit.append(tree_unflatten(parts, slot[0]) if slot and found else None)
+            input_credit.append(pytree.tree_unflatten(parts, slot[0]) if slot and found else None)
         offset = len(leaves)
         param_credit = {
             n: result[offset + j] for j, n in enumerate(names) if result[offset + j] is not None
@@ -128,7 +128,7 @@ def _pairs(output: Any, credit: Credit) -> tuple[list[Tensor], list[Tensor]]:
     ``credit`` mirrors ``output``'s structure (None is a leaf in torch's pytree).
     """
     outs, grads = [], []
-    for out, g in zip(tree_flatten(output)[0], tree_flatten(credit)[0], strict=False):
+    for out, g in zip(pytree.tree_flatten(output)[0], pytree.tree_flatten(credit)[0], strict=False):
         if isinstance(out, Tensor) and isinstance(g, Tensor) and out.requires_grad:
             outs.append(out)
             grads.append(g)
@@ -143,11 +143,11 @@ def _leaf(value: Any) -> Any:
             return t.detach().requires_grad_(True)
         return t
 
-    return tree_map(one, value)
+    return pytree.tree_map(one, value)
 
 
 def _clone_tensors(value: Any) -> Any:
-    return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
 
 
 @contextlib.contextmanager
@@ -208,7 +208,7 @@ def record(
         module = gm.get_submodule(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
         if node.op == "output":
             out = args[0]
-            output = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
+            output = pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
         else:
             out = _run(node, module, args, kwargs)
         env[node] = out

@@ -18,8 +18,8 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .._compat import pytree
 from .._routes import ROUTES
 from .._state import preserved
 from ..analysis import topological_order
@@ -72,7 +72,7 @@ class CreditResult:
 
 def credit_norm(credit: Credit) -> float | None:
     """The Euclidean norm of a credit, over all its tensors; None if it has none."""
-    norms = [torch.linalg.vector_norm(t.detach()) for t in tree_flatten(credit)[0] if isinstance(t, Tensor)]
+    norms = [torch.linalg.vector_norm(t.detach()) for t in pytree.tree_flatten(credit)[0] if isinstance(t, Tensor)]
     if not norms:
         return None
     return float(torch.linalg.vector_norm(torch.stack(norms).double()))
@@ -292,12 +292,12 @@ def _match_edges(G: nx.MultiDiGraph, call: NodeCall) -> dict[tuple[str, str, int
 
 def _output_credit(output: Any, given: Any) -> Any:
     if given is None:
-        return tree_map(
+        return pytree.tree_map(
             lambda t: torch.ones_like(t) if isinstance(t, Tensor) and t.is_floating_point() else None,
             output,
         )
-    out_flat, spec = tree_flatten(output)
-    given_flat, given_spec = tree_flatten(given)
+    out_flat, spec = pytree.tree_flatten(output)
+    given_flat, given_spec = pytree.tree_flatten(given)
     if len(out_flat) != len(given_flat):
         raise FxnxValueError(
             f"output_credit must have the structure of the model's output ({spec}), "
@@ -308,7 +308,7 @@ def _output_credit(output: Any, given: Any) -> Any:
             raise FxnxValueError(
                 f"output_credit[{i}] has shape {tuple(g.shape)}, the output {tuple(out.shape)}"
             )
-    return tree_unflatten(
+    return pytree.tree_unflatten(
         [g.to(out.dtype) if isinstance(g, Tensor) else g for out, g in zip(out_flat, given_flat, strict=True)],
         spec,
     )
@@ -320,4 +320,4 @@ def _tree_add(a: Credit, b: Credit) -> Credit:
         return b
     if b is None:
         return a
-    return tree_map(lambda x, y: y if x is None else x if y is None else x + y, a, b)
+    return pytree.tree_map(lambda x, y: y if x is None else x if y is None else x + y, a, b)

@@ -182,8 +182,11 @@ def _input_credit(module: Any, x: Tensor, credit: Tensor, B: Tensor) -> Tensor:
         return credit @ B
     dims = B.dim() - 2
     if isinstance(module.padding, str) or module.padding_mode != "zeros":
-        # Padding the layer does itself: differentiate its forward with B as the weight.
-        _, vjp = torch.func.vjp(lambda inp: module._conv_forward(inp, B, None), x.detach())
+        # Padding the layer does itself: differentiate its forward with B as the weight (the
+        # bias does not reach the input's credit).
+        _, vjp = torch.func.vjp(
+            lambda inp: torch.func.functional_call(module, {"weight": B}, (inp,)), x.detach()
+        )
         return vjp(credit)[0]
     return torch.ops.aten.convolution_backward(
         credit, x.detach(), B, None, module.stride, module.padding, module.dilation,

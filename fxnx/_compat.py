@@ -1,0 +1,226 @@
+"""Every private torch name fxnx touches, in one place, each with a fallback.
+
+fxnx relies on public torch APIs wherever one exists. A few things it needs
+have no public spelling in the torch versions it supports (see
+``pyproject.toml`` and the README's "Supported torch versions"); they are all
+here, and no other module of fxnx names a private torch attribute (a test scans
+the sources for that). Each one has a fallback that keeps fxnx working with
+less detail, or a clear error that says which feature needs which torch, so a
+torch release that renames one of them degrades a feature instead of breaking
+``import fxnx``.
+
+:data:`PRIVATE_APIS` lists them with what each is for and what happens without it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from .errors import FxnxError
+
+__all__ = [
+    "PRIVATE_APIS",
+    "FakeTensorMode",
+    "OpOverload",
+    "VALUE_READS",
+    "extract_tensor_metadata",
+    "is_fake",
+    "make_fx_following_values",
+    "method_schema_signatures",
+    "op_schema",
+    "pytree",
+    "qualified_function_name",
+    "schema_signature",
+    "sequence_nr",
+]
+
+#: (private name, what fxnx uses it for, what happens when it is missing)
+PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
+    (
+        "torch.utils._pytree",
+        "flattening nested inputs, outputs and credits (tree_flatten, tree_map, keystr)",
+        "import fxnx's torch features fails with an error naming the torch versions supported",
+    ),
+    (
+        "torch._subclasses.fake_tensor.FakeTensorMode",
+        "fake=True: shapes without real compute",
+        "fake=True raises an error; real and meta-device conversion keep working",
+    ),
+    (
+        "torch.fx.passes.shape_prop._extract_tensor_metadata",
+        "the tensor_meta ShapeProp records",
+        "fxnx builds the same TensorMetadata from the tensor's public attributes",
+    ),
+    (
+        "torch.fx.node._get_qualified_name",
+        "importable names of functions ('torch.flatten')",
+        "module and __qualname__ of the function",
+    ),
+    (
+        "torch.fx.operator_schemas._torchscript_schema_to_signature",
+        "binding ATen calls to their schema's argument names (node_call_info)",
+        "arguments keep their positions as keys ('0', '1')",
+    ),
+    (
+        "torch._C._jit_get_schemas_for_operator",
+        "binding x.view(...)-style method calls to the ATen schema's names",
+        "arguments keep their positions as keys ('0', '1')",
+    ),
+    (
+        "torch._ops.OpOverload._schema",
+        "an ATen operator's argument names (node_call_info at ATen level)",
+        "arguments keep their positions as keys ('0', '1')",
+    ),
+    (
+        "torch.ops.aten._local_scalar_dense",
+        "telling that a graph read a tensor's value (the graph holds for that input only)",
+        "only aten.item is recognised",
+    ),
+    (
+        "torch._ops.OpOverload",
+        "recognising ATen operators in a graph",
+        "taken as type(torch.ops.aten.add.Tensor), which is public",
+    ),
+    (
+        "make_fx(..., _error_on_data_dependent_ops=False)",
+        "make_fx on models whose control flow reads tensor values",
+        "make_fx's default: such models fail on that route and the ladder reports it",
+    ),
+    (
+        "torch.autograd.graph.Node._sequence_nr",
+        "joint graphs: the module scope of each backward op",
+        "backward ops take the scope their inputs share",
+    ),
+)
+
+
+def _pytree_module() -> Any:
+    try:
+        from torch.utils import _pytree
+    except ImportError as err:  # pragma: no cover - every supported torch has it
+        raise ImportError(
+            f"fxnx needs torch.utils._pytree, which torch {torch.__version__} lacks; "
+            "install a torch version fxnx supports (see its pyproject.toml)"
+        ) from err
+    return _pytree
+
+
+#: torch's pytree module (flatten, unflatten, map over nested containers).
+pytree = _pytree_module()
+
+try:
+    from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+    from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
+except ImportError:  # pragma: no cover - every supported torch has it
+    _FakeTensor = _FakeTensorMode = None
+
+
+def FakeTensorMode(**kwargs: Any) -> Any:  # noqa: N802 - stands for the class
+    """torch's ``FakeTensorMode``, or an error saying ``fake=True`` needs it."""
+    if _FakeTensorMode is None:  # pragma: no cover
+        raise FxnxError(
+            f"fake=True needs torch._subclasses.fake_tensor.FakeTensorMode, which torch "
+            f"{torch.__version__} lacks; convert with real inputs or on the meta device"
+        )
+    return _FakeTensorMode(**kwargs)
+
+
+def is_fake(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor (from ``FakeTensorMode`` or a tracer)."""
+    return _FakeTensor is not None and isinstance(value, _FakeTensor)
+
+
+def extract_tensor_metadata(tensor: torch.Tensor) -> TensorMetadata:
+    """What ShapeProp records for ``tensor``."""
+    try:
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    except ImportError:  # pragma: no cover
+        return _own_tensor_metadata(tensor)
+    return _extract_tensor_metadata(tensor)
+
+
+def _own_tensor_metadata(tensor: torch.Tensor) -> TensorMetadata:
+    """TensorMetadata from public attributes: ShapeProp's fields, without quantisation details."""
+    memory_format = None
+    for fmt in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d):
+        try:
+            if tensor.is_contiguous(memory_format=fmt):
+                memory_format = fmt
+                break
+        except RuntimeError:  # channels_last on a tensor of the wrong rank
+            continue
+    return TensorMetadata(
+        tensor.shape, tensor.dtype, tensor.requires_grad, tensor.stride(), memory_format,
+        tensor.is_quantized, {},
+    )
+
+
+def qualified_function_name(target: Callable[..., Any]) -> str:
+    """torch.fx's importable name of a function, such as ``"torch.flatten"``."""
+    try:
+        from torch.fx.node import _get_qualified_name
+    except ImportError:  # pragma: no cover
+        module = getattr(target, "__module__", None) or "?"
+        return f"{module}.{getattr(target, '__qualname__', type(target).__qualname__)}"
+    return _get_qualified_name(target)
+
+
+#: The class of ATen operator overloads (``torch.ops.aten.add.Tensor``).
+OpOverload: type = type(torch.ops.aten.add.Tensor)
+
+
+#: ATen operators that read a tensor's value into Python (``.item()``, ``if x.sum() > 0``).
+VALUE_READS: tuple[Any, ...] = tuple(
+    op.default
+    for op in (getattr(torch.ops.aten, "_local_scalar_dense", None), torch.ops.aten.item)
+    if op is not None
+)
+
+
+def op_schema(op: OpOverload) -> Any:
+    """The TorchScript schema of an ATen operator overload, or None when torch hides it."""
+    return getattr(op, "_schema", None)
+
+
+def schema_signature(schema: Any) -> inspect.Signature | None:
+    """A Python signature for a TorchScript schema, or None when torch cannot express one."""
+    try:
+        from torch.fx.operator_schemas import _torchscript_schema_to_signature
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return _torchscript_schema_to_signature(schema)
+    except Exception:  # a schema torch itself cannot express as a signature
+        return None
+
+
+def method_schema_signatures(name: str) -> list[Any]:
+    """The ATen schemas of ``aten::name`` (for ``x.name(...)`` calls); empty when unknown."""
+    lookup = getattr(torch._C, "_jit_get_schemas_for_operator", None)
+    if lookup is None:  # pragma: no cover
+        return []
+    try:
+        return list(lookup(f"aten::{name}"))
+    except RuntimeError:
+        return []
+
+
+def make_fx_following_values(fn: Callable[..., Any], tracing_mode: str) -> Callable[..., fx.GraphModule]:
+    """``make_fx`` that follows control flow on tensor values instead of failing on it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if "_error_on_data_dependent_ops" in inspect.signature(make_fx).parameters:
+        return make_fx(fn, tracing_mode=tracing_mode, _error_on_data_dependent_ops=False)
+    return make_fx(fn, tracing_mode=tracing_mode)  # pragma: no cover
+
+
+def sequence_nr(grad_fn: Any) -> int | None:
+    """The sequence number an autograd node shares with the forward op that made it."""
+    method = getattr(grad_fn, "_sequence_nr", None)
+    return method() if method is not None else None
