@@ -23,7 +23,14 @@ from ._compat import FakeTensorMode, extract_tensor_metadata, is_fake, pytree
 from ._state import preserved
 from .errors import ShapePropagationError
 
-__all__ = ["device_of", "empty_inputs", "metadata_from_values", "propagate", "shape_source"]
+__all__ = [
+    "device_of",
+    "empty_inputs",
+    "metadata_from_values",
+    "node_failure",
+    "propagate",
+    "shape_source",
+]
 
 
 class _ShapeProp(fx.Interpreter):
@@ -42,17 +49,25 @@ class _ShapeProp(fx.Interpreter):
             result = super().run_node(n)
         except Exception as err:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            got = pytree.tree_map(_describe_value, (args, kwargs))
-            raise ShapePropagationError(
-                f"shape propagation failed at fx node {n.name!r} ({n.op} {_target_str(n)}): "
-                f"{type(err).__name__}: {err}\n"
-                f"  node: {n.format_node()}\n"
-                f"  input shapes: args={got[0]} kwargs={got[1]}\n"
-                "What to do: check the example inputs' shapes and dtypes against what the "
-                "model expects."
-            ) from err
+            raise node_failure("shape propagation", n, args, kwargs, err) from err
         _record(n, result)
         return result
+
+
+def node_failure(
+    doing: str, n: fx.Node, args: Any, kwargs: Any, err: Exception
+) -> ShapePropagationError:
+    """The error for a node that failed on the values it was given: it names the node, its
+    target and the shapes it received."""
+    got = pytree.tree_map(_describe_value, (args, kwargs))
+    return ShapePropagationError(
+        f"{doing} failed at fx node {n.name!r} ({n.op} {_target_str(n)}): "
+        f"{type(err).__name__}: {err}\n"
+        f"  node: {n.format_node()}\n"
+        f"  input shapes: args={got[0]} kwargs={got[1]}\n"
+        "What to do: check the example inputs' shapes and dtypes against what the "
+        "model expects."
+    )
 
 
 def _target_str(node: fx.Node) -> str:

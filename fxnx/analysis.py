@@ -155,6 +155,7 @@ def _data_flow(G: nx.MultiDiGraph) -> nx.DiGraph:
         # dtype None on a propagated graph: a shape or other plain value, not a tensor
         if dtype is not None or (G.nodes[u].get("out_type") is None and _carries_tensor(G, u))
     )
+    tensors.add_node(_ROOT)  # a model without inputs has no sources
     tensors.add_edges_from((_ROOT, s) for s in sources)
     reach = nx.descendants(tensors, _ROOT) | {_ROOT}
     flow = nx.DiGraph(tensors.subgraph(reach).edges())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,12 +29,17 @@ from ._shapes import empty_inputs, shape_source
 from ._shapes import propagate as propagate_shapes
 from .errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
 
-__all__ = ["Capture", "capture"]
+__all__ = ["TRACING_LOCK", "Capture", "capture"]
 
 LeafSpec = type[nn.Module] | str
 
 
 LEVELS = ("module", "aten", "joint")
+
+#: Held while fxnx traces or runs a model. torch.fx replaces ``torch.nn.Module.__call__`` (and
+#: a few functions) for the whole process while it traces symbolically, so two traces at once
+#: would record into each other; fxnx's captures and credit runs therefore take turns.
+TRACING_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,29 @@ def capture(
     >>> cap.method, cap.level, cap.propagated
     ('symbolic_trace', 'module', True)
     """
+    with TRACING_LOCK:
+        return _capture(
+            model, args, kwargs, leaf_modules=leaf_modules, concrete_args=concrete_args,
+            propagate=propagate, input_shape=input_shape, dtype=dtype, fake=fake, level=level,
+            routes=routes, leaf_on_failure=leaf_on_failure,
+        )
+
+
+def _capture(
+    model: nn.Module | Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    *,
+    leaf_modules: Iterable[LeafSpec],
+    concrete_args: Mapping[str, Any] | None,
+    propagate: bool,
+    input_shape: Sequence[int] | Sequence[Sequence[int]] | None,
+    dtype: torch.dtype,
+    fake: bool,
+    level: str,
+    routes: str | Sequence[str],
+    leaf_on_failure: bool,
+) -> Capture:
     kwargs = dict(kwargs or {})
     if not isinstance(model, nn.Module) and not callable(model):
         hint = ""
@@ -177,7 +206,8 @@ def capture(
         if args:
             raise FxnxTypeError("give example inputs or input_shape, not both")
         args = empty_inputs(model, input_shape, dtype)
-    inputs = _bind_inputs(model, args, kwargs, concrete_args or {})
+    # Copies: a model that writes into its input must not write into the caller's tensor.
+    inputs = _copied(_bind_inputs(model, args, kwargs, concrete_args or {}))
     if level != "module":
         return _capture_aten(model, inputs, level, fake)
     aten = None
@@ -445,6 +475,13 @@ def _bind_inputs(
         elif param.kind is not param.VAR_KEYWORD:
             values.append(value)
     return values
+
+
+def _copied(inputs: list[Any] | None) -> list[Any] | None:
+    """The inputs with every tensor copied (meta and fake tensors copy for free)."""
+    if inputs is None:
+        return None
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, inputs)
 
 
 def _qualname(model: Any) -> str:

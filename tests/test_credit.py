@@ -490,7 +490,7 @@ def test_a_graph_of_another_model_is_refused():
 
 def test_output_credit_of_the_wrong_shape_is_refused():
     G, model, x = _skip()
-    with pytest.raises(fxnx.FxnxValueError, match=r"output_credit\[0\] has shape \(3,\)"):
+    with pytest.raises(fxnx.FxnxValueError, match=r"output_credit has shape \(3,\)"):
         fxnx.route_credit(G, model, x, output_credit=torch.ones(3))
     with pytest.raises(TypeError, match="MultiDiGraph"):
         fxnx.route_credit(nx.DiGraph(), model, x)
@@ -529,3 +529,30 @@ def test_method_and_hidden_inplace_writes_route_as_out_of_place():
     G = fxnx.convert(outer, x, leaf_modules=[_HiddenInplace])
     res = fxnx.route_credit(G, outer, x, leaf_modules=[_HiddenInplace])  # train: writes in place
     assert torch.equal(res.node_credit["_0"], torch.full((3, 4), 3.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("given", [1.0, 1, "ones", (1.0,)], ids=["float", "int", "str", "tuple"])
+def test_output_credit_of_the_wrong_kind_names_what_was_expected(given):
+    G, model, x = _skip()
+    with pytest.raises(fxnx.FxnxTypeError, match=r"output_credit must be a tensor of shape \(2, 4\)"):
+        fxnx.route_credit(G, model, x, output_credit=given)
+
+
+def test_output_credit_none_for_one_output_routes_nothing_there():
+    model = _TwoOutputs()
+    x = torch.randn(2, 3)
+    G = fxnx.convert(model, x)
+    res = fxnx.route_credit(G, model, x, output_credit=(torch.ones(2, 3), None))
+    nodes, _ = autograd_credit(model, [x], output_credit=(torch.ones(2, 3), torch.zeros(2, 3)))
+    assert torch.equal(res.node_credit["x"], nodes["x"][0])
+
+
+class _TwoOutputs(nn.Module):
+    def forward(self, x):
+        return x * 2, x.sin()
+
+
+def test_a_wrong_input_shape_names_the_node():
+    G, model, x = _skip()
+    with pytest.raises(fxnx.ShapePropagationError, match=r"(?s)fx node '.*' \(call_module .*Linear.*input shapes"):
+        fxnx.route_credit(G, model, torch.randn(3, 7))

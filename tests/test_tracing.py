@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+
+import networkx as nx
 import pytest
 import torch
 from torch import nn
@@ -132,12 +135,79 @@ def test_running_the_model_really_would_change_the_stats():
     assert not torch.equal(before["1.running_mean"], model.state_dict()["1.running_mean"])
 
 
-def test_example_input_is_not_modified_by_inplace_ops():
-    model = nn.Sequential(nn.ReLU(inplace=True))
-    x = torch.randn(3, 4)
+class _WritesIntoItsInput(nn.Module):
+    def forward(self, x, ids):
+        x.add_(1)
+        ids.mul_(2)
+        return x * 2, ids
+
+
+# (level="joint" refuses such a model, as autograd does: its input is a leaf that needs grad.)
+@pytest.mark.parametrize("level", ["module", "aten"])
+def test_example_inputs_are_not_modified_by_a_model_that_writes_into_them(level):
+    model, x, ids = _WritesIntoItsInput(), torch.randn(3, 4), torch.arange(3)
+    x_before, ids_before = x.clone(), ids.clone()
+    G = fxnx.convert(model, x, ids, level=level)
+    assert torch.equal(x, x_before) and torch.equal(ids, ids_before)
+    assert G.graph["inputs"][0]["shape"] == (3, 4)
+    # The guard: the model really does write into what it is given.
+    model(x, ids)
+    assert torch.equal(x, x_before + 1) and torch.equal(ids, ids_before * 2)
+
+
+def test_inplace_relu_leaves_the_example_input_alone():
+    model, x = nn.Sequential(nn.ReLU(inplace=True)), torch.randn(3, 4)
     x_before = x.clone()
     fxnx.convert(model, x)
-    # ShapeProp runs the real model, so the in-place ReLU does write into x: same as model(x).
-    expected = x_before.clone()
-    model(expected)
-    assert torch.equal(x, expected)
+    fxnx.route_credit(fxnx.convert(model, x), model, x)
+    assert torch.equal(x, x_before)
+
+
+def test_concurrent_conversions_give_the_serial_graphs():
+    """torch.fx patches nn.Module.__call__ process-wide while tracing: fxnx serialises it."""
+    cases = [
+        (nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)]), torch.randn(2, 8)),
+        (nn.Sequential(*[nn.Conv2d(3, 3, 3, padding=1) for _ in range(20)]), torch.randn(1, 3, 8, 8)),
+    ]
+    want = [fxnx.convert(m, x) for m, x in cases]
+    errors, barrier = [], threading.Barrier(len(cases))
+
+    def work(i: int) -> None:
+        model, x = cases[i]
+        barrier.wait()
+        for _ in range(10):
+            try:
+                G = fxnx.convert(model, x)
+                if not nx.utils.graphs_equal(G, want[i]):
+                    errors.append(f"thread {i}: a different graph")
+            except Exception as err:  # noqa: BLE001 - any failure is the defect
+                errors.append(f"thread {i}: {type(err).__name__}: {err}"[:200])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+class _NoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.linspace(-1, 1, 3))
+
+    def forward(self):
+        return torch.tanh(self.p) * 2
+
+
+def test_a_model_without_inputs_converts_summarises_draws_and_routes(tmp_path):
+    model = _NoInputs()
+    G = fxnx.convert(model)
+    assert sorted(G) == ["mul", "output", "p", "tanh"] and G.nodes["mul"]["out_shape"] == (3,)
+    assert "get_attr" in fxnx.format_summary(fxnx.summary(G))
+    assert fxnx.skip_connections(G) == []
+    assert fxnx.draw(G, tmp_path / "g.dot").read_text().startswith("digraph")
+    res = fxnx.route_credit(G, model)
+    p = model.p.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad((torch.tanh(p) * 2).sum(), p)
+    assert torch.equal(res.param_credit["p"], want)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from .._callinfo import bind_call, fetch_attr, occurrences
 from .._compat import pytree
+from .._shapes import node_failure
 
 __all__ = ["NodeCall", "record"]
 
@@ -210,7 +211,10 @@ def record(
             out = args[0]
             output = pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
         else:
-            out = _run(node, module, args, kwargs)
+            try:
+                out = _run(node, module, args, kwargs)
+            except Exception as err:
+                raise node_failure("the credit run's forward pass", node, args, kwargs, err) from err
         env[node] = out
         _, names = bind_call(node, gm)
         occ = list(occurrences(node, names))

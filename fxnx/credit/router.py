@@ -24,7 +24,7 @@ from .._routes import ROUTES
 from .._state import preserved
 from ..analysis import topological_order
 from ..errors import FxnxTypeError, FxnxValueError
-from ..tracing import LeafSpec, capture
+from ..tracing import TRACING_LOCK, LeafSpec, capture
 from .record import Credit, NodeCall, record
 from .rules import PRESETS, RoutingState, Rule, exact, lookup
 
@@ -171,7 +171,8 @@ def route_credit(
         raise FxnxValueError(f"rules name nodes that G does not have: {unknown}")
     state = RoutingState(seed=seed, feedback=dict(feedback or {}))
     # Buffers are restored only after the backward: eval-mode BatchNorm's backward reads them.
-    with preserved(model):
+    # The lock keeps other threads' tracing from patching the modules this run calls.
+    with TRACING_LOCK, preserved(model):
         calls, values, output = record(cap.gm, cap.inputs or [], param_names)
         credit_at_output = _output_credit(output, output_credit)
         node_credit, param_credit, used = _backward(
@@ -304,9 +305,21 @@ def _output_credit(output: Any, given: Any) -> Any:
             f"got {given_spec}"
         )
     for i, (out, g) in enumerate(zip(out_flat, given_flat, strict=True)):
+        where = "output_credit" if len(out_flat) == 1 else f"output_credit[{i}]"
+        if g is not None and not isinstance(g, Tensor):
+            want = (
+                f"a tensor of shape {tuple(out.shape)} like the output, or None for no credit"
+                if isinstance(out, Tensor) else "None (that output is not a tensor)"
+            )
+            raise FxnxTypeError(
+                f"{where} must be {want}, got {type(g).__qualname__} {g!r:.60}; for a constant, "
+                "pass torch.full_like(output, value)"
+            )
+        if isinstance(g, Tensor) and not isinstance(out, Tensor):
+            raise FxnxTypeError(f"{where} is a tensor, but that output is {type(out).__qualname__}")
         if isinstance(out, Tensor) and isinstance(g, Tensor) and g.shape != out.shape:
             raise FxnxValueError(
-                f"output_credit[{i}] has shape {tuple(g.shape)}, the output {tuple(out.shape)}"
+                f"{where} has shape {tuple(g.shape)}, the output {tuple(out.shape)}"
             )
     return pytree.tree_unflatten(
         [g.to(out.dtype) if isinstance(g, Tensor) else g for out, g in zip(out_flat, given_flat, strict=True)],
