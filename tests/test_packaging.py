@@ -1,0 +1,92 @@
+"""The wheel a user installs: complete, honest about its dependencies, and working outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel built from a clean copy of the sources (a stale build/ folder could fill gaps)."""
+    out = tmp_path_factory.mktemp("wheel")
+    source = out / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "out"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "-q", "-w", str(out)],
+        capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    (path,) = out.glob("fxnx-*.whl")
+    return path
+
+
+def test_every_package_and_module_of_the_checkout_is_in_the_wheel(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    source = {
+        str(p.relative_to(ROOT)) for p in (ROOT / "fxnx").rglob("*.py") if "__pycache__" not in p.parts
+    }
+    assert source, "no sources found"
+    assert sorted(source - names) == []
+    assert "fxnx/py.typed" in names
+    assert "fxnx/credit/__init__.py" in names  # the subpackage an explicit package list left out
+
+
+def test_the_wheel_declares_ranges_not_pins(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in meta.splitlines()
+                if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    torch_req = [r for r in requires if r.startswith(("torch ", "torch>", "torch<", "torch="))]
+    assert torch_req and all("==" not in r for r in requires), requires
+    assert any(">=" in r and "<" in r for r in torch_req), torch_req
+
+
+def test_the_installed_wheel_converts_and_routes_credit_outside_the_checkout(wheel, tmp_path):
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (site / "bin" / "fxnx").exists()  # the console script
+    script = textwrap.dedent(
+        f"""
+        import sys, torch, fxnx
+        assert fxnx.__file__.startswith({str(site)!r}), fxnx.__file__
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        model = model.double()
+        x = torch.randn(5, 3, dtype=torch.float64)
+        G = fxnx.convert(model, x)
+        res = fxnx.route_credit(G, model, x, rule="exact")
+        x_ = x.clone().requires_grad_()
+        (want,) = torch.autograd.grad(model(x_).sum(), x_)
+        assert torch.equal(res.node_credit["input_1"], want)
+        fa = fxnx.route_credit(G, model, x, rule="feedback_alignment")
+        outside = [m for n, m in sys.modules.items() if n.startswith("fxnx")
+                   and not getattr(m, "__file__", "").startswith({str(site)!r})]
+        assert not outside, outside
+        print(len(G), sorted(fa.feedback))
+        """
+    )
+    # -S: no .pth files, so the development checkout's editable install cannot lend modules;
+    # torch and the other dependencies come from this environment's site-packages.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]])
+    run = subprocess.run(
+        [sys.executable, "-S", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[0] == "5"  # input, three layers, output
