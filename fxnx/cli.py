@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     _input_options(conv)
     conv.add_argument(
         "-o", "--output", type=argtypes.writable, metavar="PATH",
-        help="the .pkl file to write (a folder when converting several models)",
+        help="the .pkl file to write (a folder, when it is one or when converting several models)",
     )
     for fmt in ("png", "svg", "json"):
         conv.add_argument(f"--{fmt}", action="store_true", help=f"also write a .{fmt} beside it")
@@ -184,7 +184,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     plan = _outputs(args)
     inputs = () if args.input_shape is None else (example_input(args.input_shape, args.dtype),)
-    for i, (spec, paths) in enumerate(plan.items(), 1):
+    for i, (spec, paths) in enumerate(plan, 1):
         _status(f"[{i}/{len(plan)}] {spec}: building, tracing, propagating shapes…", end="")
         start = time.perf_counter()
         model = model_for(load_model(spec), args.dtype)
@@ -218,10 +218,10 @@ def _running(spec: str, args: argparse.Namespace) -> Iterator[None]:
         ) from err
 
 
-def _outputs(args: argparse.Namespace) -> dict[str, list[Path]]:
+def _outputs(args: argparse.Namespace) -> list[tuple[str, list[Path]]]:
     """The files each model will write, refusing two models that would write the same file."""
     several = len(args.models) > 1
-    plan: dict[str, list[Path]] = {}
+    plan: list[tuple[str, list[Path]]] = []
     owners: dict[Path, str] = {}
     for spec in args.models:
         name = spec.rpartition(":")[2]
@@ -242,7 +242,7 @@ def _outputs(args: argparse.Namespace) -> dict[str, list[Path]]:
                     "separately, each with its own -o"
                 )
             owners[key] = spec
-        plan[spec] = paths
+        plan.append((spec, paths))
     return plan
 
 

@@ -440,3 +440,21 @@ def test_a_read_only_folder_is_a_usage_error(tmp_path, capsys):
 def test_batch_outputs_with_dots_in_names_keep_their_stem(bad_files, capsys):
     assert main([*TINY, "-o", "my.model.pkl"]) == 0
     assert (bad_files / "my.model.pkl").exists()
+
+
+def test_an_allocation_failure_is_one_line(capsys, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 GB")
+
+    monkeypatch.setattr("torch.randn", out_of_memory)
+    assert main([*TINY, "--input-shape", "1024,1024,1024"]) == 1
+    assert capsys.readouterr().err == (
+        "fxnx convert: error: cannot make an example input of shape 1024,1024,1024 and dtype "
+        "torch.float32: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 4 GB; give a smaller --input-shape or another --dtype\n"
+    )
+
+
+def test_the_same_model_twice_without_outputs_is_converted_twice(capsys):
+    assert main(["convert", "clifactories:tiny", "clifactories:tiny"]) == 0
+    assert capsys.readouterr().out.count("== clifactories:tiny\n") == 2
