@@ -3,40 +3,69 @@
 ``fxnx convert resnet18 --input-shape 1,3,224,224 -o resnet18.pkl`` converts a
 model and prints its summary; ``fxnx info`` and ``fxnx draw`` work on saved
 graphs without importing torch; ``fxnx credit`` routes credit and draws it.
+
+Every failure is one line on stderr and a non-zero exit: 2 for a bad argument
+(argparse's usage error), 1 for anything else, 130 when interrupted. Set
+``FXNX_TRACEBACK=1`` to see the traceback behind a line.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
-import importlib
+import contextlib
+import os
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import _argtypes as argtypes
 from .analysis import format_summary, summary
-from .errors import FxnxError, FxnxValueError
+from .errors import FxnxError, FxnxValueError, first_line
 from .io import read_json, read_pickle, write_json, write_pickle
 
 __all__ = ["main"]
 
+TRACEBACK_VARIABLE = "FXNX_TRACEBACK"
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)  # a usage error exits 2 here, --help exits 0
     try:
         return int(args.run(args))
-    except (FxnxError, OSError) as err:
-        print(f"fxnx {args.command}: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"fxnx {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (Exception, SystemExit) as err:  # SystemExit: a model's own code called sys.exit
+        if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+            traceback.print_exc()
+        print(f"fxnx {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 1
+
+
+def _one_line(err: BaseException) -> str:
+    """What went wrong, on one line: ours and the file system's in full, the rest by type."""
+    if isinstance(err, (FxnxError, OSError)):
+        return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    if isinstance(err, SystemExit):
+        return f"the model's code called sys.exit({err.code!r})"
+    return (
+        f"{type(err).__name__}: {first_line(err)} "
+        f"(set {TRACEBACK_VARIABLE}=1 to see the traceback)"
+    )
+
+
+# --- arguments ---------------------------------------------------------------------------------
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fxnx", description="PyTorch models as NetworkX graphs of their real dataflow."
+        prog="fxnx", description="PyTorch models as NetworkX graphs of their real dataflow.",
+        epilog=f"Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted. "
+        f"Set {TRACEBACK_VARIABLE}=1 to see the traceback behind an error.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -51,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _input_options(conv)
     conv.add_argument(
-        "-o", "--output", metavar="PATH",
-        help="the .pkl file to write (a folder when converting several models)",
+        "-o", "--output", type=argtypes.writable, metavar="PATH",
+        help="the .pkl file to write (a folder, when it is one or when converting several models)",
     )
     for fmt in ("png", "svg", "json"):
         conv.add_argument(f"--{fmt}", action="store_true", help=f"also write a .{fmt} beside it")
@@ -61,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         help="module calls (default), ATen operators, or the joint forward+backward ATen graph",
     )
     conv.add_argument(
-        "--routes", default="auto", metavar="ROUTE[,ROUTE]",
+        "--routes", type=argtypes.routes, default="auto", metavar="ROUTE[,ROUTE]",
         help="capture routes to try in order: symbolic_trace, export, draft_export, make_fx "
         "(default: all of them)",
     )
@@ -97,44 +126,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     credit.add_argument("model", help="a torchvision model name or package.module:factory")
     _input_options(credit, default=(1, 3, 224, 224))
-    credit.add_argument("--rule", default="exact", help="exact, feedback_alignment, sign_symmetry")
+    credit.add_argument(
+        "--rule", type=argtypes.rule, default="exact", help="exact, feedback_alignment, sign_symmetry"
+    )
     credit.add_argument("--seed", type=int, default=0, help="seed of random feedback weights")
     _draw_options(credit, "credit.png")
-    credit.add_argument("--graph", metavar="FILE.pkl", help="also save the graph with its credit")
+    credit.add_argument(
+        "--graph", type=argtypes.writable, metavar="FILE.pkl", help="also save the graph with its credit"
+    )
     credit.set_defaults(run=_credit)
     return parser
 
 
 def _input_options(parser: argparse.ArgumentParser, default: tuple[int, ...] | None = None) -> None:
     parser.add_argument(
-        "--input-shape", type=_shape, metavar="N,C,H,W", default=default,
+        "--input-shape", type=argtypes.shape, metavar="N,C,H,W", default=default,
         help="shape of the example input, for example 1,3,224,224"
         + (" (omit it to convert without shapes)" if default is None else " (the default)"),
     )
     parser.add_argument(
-        "--dtype", default="float32", help="dtype of the example input (default float32)"
+        "--dtype", type=argtypes.dtype, default="float32",
+        help="dtype of the example input (default float32); an integer dtype such as int64 "
+        "gives zeros (token ids) and leaves the model's own dtype",
     )
 
 
 def _draw_options(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
-        "-o", "--output", default=default, metavar="FILE",
+        "-o", "--output", type=argtypes.drawing, default=default, metavar="FILE",
         help=f".png, .svg, .pdf or .dot (default {default})",
     )
-    parser.add_argument("--depth", type=int, help="collapse modules below this nesting level")
-    parser.add_argument("--dpi", type=int, default=96, help="PNG resolution (default 96)")
+    parser.add_argument(
+        "--depth", type=argtypes.bounded(1), help="collapse modules below this nesting level (1 or more)"
+    )
+    parser.add_argument(
+        "--dpi", type=argtypes.bounded(1, argtypes.MAX_DPI), default=96,
+        help=f"PNG resolution, 1 to {argtypes.MAX_DPI} (default 96)",
+    )
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a shape: give comma-separated integers such as 1,3,224,224"
-        ) from None
-    if not shape or any(d <= 0 for d in shape):
-        raise argparse.ArgumentTypeError(f"{text!r}: every dimension must be a positive integer")
-    return shape
+# --- commands ----------------------------------------------------------------------------------
 
 
 def _interactive() -> bool:
@@ -147,50 +178,72 @@ def _status(text: str, end: str = "\n") -> None:
         print(text, end=end, file=sys.stderr, flush=True)
 
 
-def _example_input(args: argparse.Namespace) -> tuple[Any, ...]:
-    import torch
-
-    dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise FxnxValueError(f"--dtype {args.dtype!r} is not a torch dtype (try float32 or float64)")
-    return () if args.input_shape is None else (torch.randn(args.input_shape, dtype=dtype),)
-
-
 def _convert(args: argparse.Namespace) -> int:
+    from ._models import example_input, load_model, model_for
     from .dataflow import convert
 
-    several = len(args.models) > 1
-    inputs = _example_input(args)
-    folder = Path(args.output) if several and args.output else None
-    for i, spec in enumerate(args.models, 1):
-        name = spec.rpartition(":")[2]
-        _status(f"[{i}/{len(args.models)}] {spec}: building, tracing, propagating shapes…", end="")
+    plan = _outputs(args)
+    inputs = () if args.input_shape is None else (example_input(args.input_shape, args.dtype),)
+    for i, (spec, paths) in enumerate(plan, 1):
+        _status(f"[{i}/{len(plan)}] {spec}: building, tracing, propagating shapes…", end="")
         start = time.perf_counter()
-        model = load_model(spec).eval()
-        G = convert(
-            model.to(inputs[0].dtype) if inputs else model, *inputs, level=args.level,
-            routes=args.routes if args.routes == "auto" else args.routes.split(","),
-            leaf_on_failure=args.leaf_on_failure,
-        )
-        if folder is not None:
-            stem = folder / name
-        elif args.output:
-            stem = Path(args.output).with_suffix("")
-        else:
-            stem = Path(name)
-        written = []
-        if args.output:
-            written.append(_write(G, stem.with_suffix(".pkl")))
-        for fmt in ("png", "svg", "json"):
-            if getattr(args, fmt):
-                written.append(_write(G, stem.with_suffix(f".{fmt}")))
+        model = model_for(load_model(spec), args.dtype)
+        with _running(spec, args):
+            G = convert(model, *inputs, level=args.level, routes=args.routes,
+                        leaf_on_failure=args.leaf_on_failure)
+        written = [_write(G, path) for path in paths]
         _status(f" {time.perf_counter() - start:.1f} s")
-        if several:
+        if len(plan) > 1:
             print(f"== {spec}")
         print(format_summary(summary(G)))
         for path in written:
             print(f"wrote {path}")
     return 0
+
+
+@contextlib.contextmanager
+def _running(spec: str, args: argparse.Namespace) -> Iterator[None]:
+    """Name the model and its example input in an error the model's own code raised."""
+    try:
+        yield
+    except (FxnxError, OSError):
+        raise
+    except Exception as err:
+        shape = "no example input" if args.input_shape is None else (
+            f"an example input of shape {','.join(map(str, args.input_shape))} and {args.dtype}"
+        )
+        raise FxnxValueError(
+            f"{spec!r} failed with {shape}: {type(err).__name__}: {first_line(err)}; check "
+            f"--input-shape and --dtype (set {TRACEBACK_VARIABLE}=1 to see the traceback)"
+        ) from err
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, list[Path]]]:
+    """The files each model will write, refusing two models that would write the same file."""
+    several = len(args.models) > 1
+    plan: list[tuple[str, list[Path]]] = []
+    owners: dict[Path, str] = {}
+    for spec in args.models:
+        name = spec.rpartition(":")[2]
+        if args.output and (several or args.output.is_dir()):
+            stem = args.output / name
+        elif args.output:
+            stem = args.output.with_suffix("")
+        else:
+            stem = Path(name)
+        suffixes = [".pkl"] if args.output else []
+        suffixes += [f".{fmt}" for fmt in ("png", "svg", "json") if getattr(args, fmt)]
+        paths = [stem.with_name(stem.name + suffix) for suffix in suffixes]
+        for path in paths:
+            key = path.resolve()
+            if key in owners:
+                raise FxnxValueError(
+                    f"{owners[key]!r} and {spec!r} would both write {path}: convert them "
+                    "separately, each with its own -o"
+                )
+            owners[key] = spec
+        plan.append((spec, paths))
+    return plan
 
 
 def _write(G: Any, path: Path) -> Path:
@@ -207,7 +260,24 @@ def _write(G: Any, path: Path) -> Path:
 
 
 def _read(path: str) -> Any:
-    return read_json(path) if path.endswith(".json") else read_pickle(path)
+    """The graph in a .pkl or .json file that fxnx wrote, or one error saying what it is instead."""
+    import networkx as nx
+
+    try:
+        G = read_json(path) if path.lower().endswith(".json") else read_pickle(path)
+    except (FxnxError, OSError):
+        raise
+    except Exception as err:
+        raise FxnxValueError(
+            f"{path!r} is not a graph file fxnx can read ({type(err).__name__}: "
+            f"{first_line(err)}); give a .pkl or .json file written by fxnx"
+        ) from err
+    if not isinstance(G, nx.Graph) or "format_version" not in G.graph:
+        raise FxnxValueError(
+            f"{path!r} is not a graph fxnx wrote (no format_version): give a .pkl or .json file "
+            "written by fxnx convert or fxnx.write_pickle"
+        )
+    return G
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -219,53 +289,35 @@ def _draw(args: argparse.Namespace) -> int:
     from .render import draw
 
     G = _read(args.graph)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by=args.color_by)
     print(f"wrote {path}")
     return 0
 
 
 def _credit(args: argparse.Namespace) -> int:
+    from ._models import example_input, load_model, model_for
     from .credit import route_credit
     from .dataflow import convert
     from .render import draw
 
-    (x,) = _example_input(args)
+    if args.graph is not None and args.graph.resolve() == args.output.resolve():
+        raise FxnxValueError(f"-o and --graph both name {args.output}: give two different files")
+    x = example_input(args.input_shape, args.dtype)
     _status(f"{args.model}: converting…", end="")
-    model = load_model(args.model).eval().to(x.dtype)
-    G = convert(model, x)
-    _status(f" routing credit ({args.rule})…", end="")
-    res = route_credit(G, model, x, rule=args.rule, seed=args.seed)
+    model = model_for(load_model(args.model), args.dtype)
+    with _running(args.model, args):
+        G = convert(model, x)
+        _status(f" routing credit ({args.rule})…", end="")
+        res = route_credit(G, model, x, rule=args.rule, seed=args.seed)
     _status(" drawing…")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by="credit_norm")
-    norms = {n: v for n, v in res.norms().items() if v is not None}
+    norms = [v for v in res.norms().values() if v is not None]
     print(f"rule {args.rule}: {res.describe()}")
-    print(f"credit norm: {min(norms.values()):.4g} to {max(norms.values()):.4g} over {len(norms)} nodes")
+    if norms:
+        print(f"credit norm: {min(norms):.4g} to {max(norms):.4g} over {len(norms)} nodes")
     if args.graph:
-        print(f"wrote {_write(G, Path(args.graph))}")
+        print(f"wrote {_write(G, args.graph)}")
     print(f"wrote {path}")
     return 0
-
-
-def load_model(spec: str) -> Any:
-    """Build a model from a torchvision name or ``package.module:factory`` (no weights)."""
-    if ":" in spec:
-        module_name, _, factory_name = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), factory_name)
-        except (ImportError, AttributeError) as err:
-            raise FxnxValueError(
-                f"cannot load model {spec!r}: {err}; "
-                "give package.module:factory where factory() returns an nn.Module"
-            ) from err
-        return factory()
-    import torchvision
-
-    names = torchvision.models.list_models()
-    if spec not in names:
-        close = difflib.get_close_matches(spec, names, n=3)
-        raise FxnxValueError(
-            f"unknown model {spec!r}: not a torchvision model name"
-            + (f" (did you mean {', '.join(close)}?)" if close else "")
-            + "; for your own model give package.module:factory"
-        )
-    return torchvision.models.get_model(spec, weights=None)

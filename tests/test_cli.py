@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
+import clifactories
 import pytest
+import torch
 
 import fxnx
 from fxnx.cli import main
@@ -52,8 +56,6 @@ def test_own_model_by_factory(tmp_path, capsys, monkeypatch):
     [
         (["convert", "resnet181"], "unknown model 'resnet181'.*did you mean resnet18"),
         (["convert", "nosuchpkg:make"], "cannot load model 'nosuchpkg:make'"),
-        (["convert", "resnet18", "--input-shape", "1,3,64,64", "--dtype", "floaty"],
-         "--dtype 'floaty' is not a torch dtype"),
         (["convert", "resnet18", "--input-shape", "1,1,64,64"], "fx node 'conv1'"),
         (["info", "missing.pkl"], "No such file"),
     ],
@@ -140,11 +142,6 @@ def test_credit_routes_and_draws(tmp_path, capsys):
     assert all(v > 0 for _, v in G.nodes(data="credit_norm") if v is not None)
 
 
-def test_credit_with_an_unknown_rule_is_one_line(capsys):
-    assert main(["credit", "resnet18", "--input-shape", "1,3,32,32", "--rule", "nope"]) == 1
-    assert "unknown rule 'nope'; known rules:" in capsys.readouterr().err
-
-
 def test_draw_a_saved_graph_without_torch(tmp_path):
     main(["convert", "resnet50", "--input-shape", "1,3,32,32", "-o", str(tmp_path / "r.pkl")])
     code = "from fxnx.cli import main; raise SystemExit(main())"
@@ -159,7 +156,6 @@ def test_draw_a_saved_graph_without_torch(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["draw", "missing.pkl"], "No such file"),
-     (["draw", "{pkl}", "-o", "x.jpeg"], r"give a \.png, \.svg, \.pdf or \.dot"),
      (["draw", "{pkl}", "--color-by", "credit_norm"], "run fxnx.route_credit on G first")],
 )
 def test_draw_errors_are_one_line(argv, message, tmp_path, capsys):
@@ -201,3 +197,264 @@ def test_routes_and_leaf_on_failure_from_the_command_line(tmp_path, capsys, monk
     assert re.search(r"opaque \(not traced\)\s+1\n", text)
     assert main(["convert", "gated_model:build", "--input-shape", "2,4", "--routes", "symbolic_trace"]) == 1
     assert "inside submodule '1'" in capsys.readouterr().err
+
+
+# --- every failure is one line ------------------------------------------------------------------
+#
+# Each argv below once gave a traceback, a silent overwrite, exit 0 or minutes in Graphviz. Now
+# each gives exit 1 with exactly one line on stderr, or argparse's usage error (exit 2: the usage
+# text, then one error line). "{tmp}" is the test's folder, holding the files `bad_files` makes.
+
+TINY = ["convert", "clifactories:tiny", "--input-shape", "4,3"]
+SPEC = "give a torchvision model name .* or package.module:factory where factory\\(\\) returns a torch.nn.Module"
+
+USAGE_ERRORS = {
+    "huge shape": (["convert", "clifactories:tiny", "--input-shape", "100000,100000,3,3"],
+                   "90,000,000,000 elements, more than the 1,073,741,824"),
+    "huge int in shape": (["convert", "clifactories:tiny", "--input-shape", "9" * 30],
+                          "elements, more than"),
+    "empty shape": (["convert", "clifactories:tiny", "--input-shape", ""], "is not a shape"),
+    "empty dimension": (["convert", "clifactories:tiny", "--input-shape", "1,,3"], "is not a shape"),
+    "negative dimension": (["convert", "clifactories:tiny", "--input-shape", "-1"], "positive"),
+    "zero dimension": (["convert", "clifactories:tiny", "--input-shape", "0"], "positive"),
+    "non-ascii shape": (["convert", "clifactories:tiny", "--input-shape", "1,3,二"], "not a shape"),
+    "dtype nn": ([*TINY, "--dtype", "nn"], "'nn' is not a torch dtype"),
+    "dtype Tensor": ([*TINY, "--dtype", "Tensor"], "'Tensor' is not a torch dtype"),
+    "dtype floaty": ([*TINY, "--dtype", "floaty"], "'floaty' is not a torch dtype"),
+    "quantized dtype": ([*TINY, "--dtype", "qint8"], "'qint8' is not a torch dtype"),
+    "non-ascii dtype": ([*TINY, "--dtype", "flöat32"], "is not a torch dtype"),
+    "unknown route": ([*TINY, "--routes", "nope"], "unknown capture route 'nope'"),
+    "empty route": ([*TINY, "--routes", "export,"], "unknown capture route ''"),
+    "unknown level": ([*TINY, "--level", "deep"], "invalid choice: 'deep'"),
+    "convert -o under a file": ([*TINY, "-o", "{tmp}/afile/g.pkl"], "afile is a file, not a folder"),
+    "draw dpi -5": (["draw", "{tmp}/tiny.pkl", "--dpi", "-5"], "-5 is out of range: give 1 to 2400"),
+    "draw dpi 0": (["draw", "{tmp}/tiny.pkl", "--dpi", "0"], "out of range"),
+    "draw dpi 2401": (["draw", "{tmp}/tiny.pkl", "--dpi", "2401"], "out of range"),
+    "draw dpi huge": (["draw", "{tmp}/tiny.pkl", "--dpi", "9" * 30], "out of range"),
+    "draw dpi text": (["draw", "{tmp}/tiny.pkl", "--dpi", "high"], "'high' is not a whole number"),
+    "draw depth 0": (["draw", "{tmp}/tiny.pkl", "--depth", "0"], "0 is out of range: give 1 or more"),
+    "draw depth -1": (["draw", "{tmp}/tiny.pkl", "--depth", "-1"], "out of range"),
+    "draw to jpeg": (["draw", "{tmp}/tiny.pkl", "-o", "{tmp}/x.jpeg"],
+                     r"give a \.png, \.svg, \.pdf or \.dot"),
+    "draw to a folder": (["draw", "{tmp}/tiny.pkl", "-o", "{tmp}/adir.png"], "is a folder"),
+    "draw under a file": (["draw", "{tmp}/tiny.pkl", "-o", "{tmp}/afile/x.png"], "not a folder"),
+    "credit dpi -5": (["credit", "clifactories:tiny", "--input-shape", "4,3", "--dpi", "-5"],
+                      "out of range"),
+    "credit depth 0": (["credit", "clifactories:tiny", "--input-shape", "4,3", "--depth", "0"],
+                       "out of range"),
+    "credit unknown rule": (["credit", "clifactories:tiny", "--input-shape", "4,3", "--rule", "nope"],
+                            "unknown rule 'nope'; known rules: exact"),
+    "credit graph under a file": (["credit", "clifactories:tiny", "--input-shape", "4,3", "--graph",
+                                   "{tmp}/afile/g.pkl"], "not a folder"),
+}
+
+ERRORS = {
+    "allocation failure": ([*TINY, "--dtype", "float8_e4m3fn"],
+                           "cannot make an example input of shape 4,3 and dtype torch.float8_e4m3fn"),
+    "factory returns a str": (["convert", "os:getcwd"],
+                              f"'os:getcwd': getcwd\\(\\) returned a value of type str, .*; {SPEC}"),
+    "factory returns 42": (["convert", "clifactories:returns_42"],
+                           f"returned a value of type int, not a torch.nn.Module; {SPEC}"),
+    "not callable": (["convert", "clifactories:NOT_CALLABLE"],
+                     f"'clifactories:NOT_CALLABLE': NOT_CALLABLE is a value of type int, .*; {SPEC}"),
+    "no such factory": (["convert", "clifactories:nothing"], f"clifactories has no 'nothing'; {SPEC}"),
+    "import fails": (["convert", "climportfails:build"],
+                     f"importing climportfails failed \\(raised RuntimeError: broken at import\\); {SPEC}"),
+    "no such module": (["convert", "nosuchpkg:make"], "cannot load model 'nosuchpkg:make'"),
+    "factory raises": (["convert", "clifactories:raises"],
+                       f"raises\\(\\) raised RuntimeError: factory exploded; {SPEC}"),
+    "factory calls sys.exit": (["convert", "clifactories:exits"],
+                               f"'clifactories:exits': exits\\(\\) called sys.exit\\(0\\); {SPEC}"),
+    "forward calls sys.exit": ([*TINY[:1], "clifactories:exits_in_forward", *TINY[2:]],
+                               r"the model's code called sys.exit\(3\)"),
+    "empty module name": (["convert", ":tiny"], "not of the form package.module:factory"),
+    "empty factory name": (["convert", "clifactories:"], "not of the form package.module:factory"),
+    "non-ascii model": (["convert", "modèle"], "unknown model 'modèle'"),
+    "wrong shape": (["convert", "clifactories:tiny", "--input-shape", "4,5"],
+                    "shape propagation failed at fx node '_0'.*; What to do"),
+    "wrong shape, joint": (["convert", "clifactories:tiny", "--input-shape", "4,5", "--level", "joint"],
+                           "'clifactories:tiny' failed with an example input of shape 4,5 and "
+                           "torch.float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    "ints into a Linear": ([*TINY, "--dtype", "int64"], "must have the same dtype"),
+    "same factory name, -o folder": (["convert", "clifactories:build", "climore:build", "-o",
+                                      "{tmp}/out"],
+                                     "'clifactories:build' and 'climore:build' would both write "
+                                     ".*out/build.pkl"),
+    "same model twice, --json": (["convert", "clifactories:tiny", "clifactories:tiny", "--json"],
+                                 "'clifactories:tiny' and 'clifactories:tiny' would both write "
+                                 "tiny.json"),
+    "torchvision name and factory": (["convert", "resnet18", "clitv:resnet18", "-o", "{tmp}/out"],
+                                     "would both write .*resnet18.pkl"),
+    "info missing file": (["info", "{tmp}/missing.pkl"], "No such file"),
+    "info a folder": (["info", "{tmp}/adir"], "Is a directory"),
+    "info a pickled int": (["info", "{tmp}/int.pkl"], "int.pkl"),
+    "info a pickled list": (["info", "{tmp}/list.pkl"], "list.pkl"),
+    "info an empty file": (["info", "{tmp}/empty.pkl"], "empty.pkl"),
+    "info a text file": (["info", "{tmp}/text.pkl"], "text.pkl"),
+    "info a JSON list": (["info", "{tmp}/list.json"], "list.json"),
+    "info a JSON object": (["info", "{tmp}/object.json"], "object.json"),
+    "info JSON not UTF-8": (["info", "{tmp}/latin1.json"], "latin1.json"),
+    "info a graph fxnx did not write": (["info", "{tmp}/plain.pkl"], "plain.pkl"),
+    "draw missing file": (["draw", "{tmp}/missing.pkl", "-o", "{tmp}/x.png"], "No such file"),
+    "draw a pickled int": (["draw", "{tmp}/int.pkl", "-o", "{tmp}/x.png"], "int.pkl"),
+    "draw PNG too big": (["draw", "{tmp}/chain.pkl", "--dpi", "2400", "-o", "{tmp}/x.png"],
+                         "exceed Graphviz's 32767-pixel limit"),
+    "credit bad factory": (["credit", "os:getcwd", "--input-shape", "4,3", "-o", "{tmp}/c.png"],
+                           "not a torch.nn.Module"),
+    "credit same -o and --graph": (["credit", "clifactories:tiny", "--input-shape", "4,3", "-o",
+                                    "{tmp}/c.png", "--graph", "{tmp}/c.png"],
+                                   "-o and --graph both name"),
+}
+
+
+@pytest.fixture
+def bad_files(tmp_path, monkeypatch):
+    """Graph files that are not graphs, a folder, a file, and factory modules, in ``tmp_path``."""
+    import pickle
+
+    import networkx as nx
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "climportfails.py").write_text("raise RuntimeError('broken at import')\n")
+    (tmp_path / "climore.py").write_text("from clifactories import build\n")
+    (tmp_path / "clitv.py").write_text("from clifactories import tiny as resnet18\n")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "adir.png").mkdir()
+    (tmp_path / "afile").write_text("a file")
+    (tmp_path / "int.pkl").write_bytes(pickle.dumps(42))
+    (tmp_path / "list.pkl").write_bytes(pickle.dumps([1, 2]))
+    (tmp_path / "empty.pkl").write_bytes(b"")
+    (tmp_path / "text.pkl").write_text("not a pickle\n")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "object.json").write_text('{"graph": 1}')
+    (tmp_path / "latin1.json").write_bytes('{"n": "é"}'.encode("latin-1"))
+    fxnx.write_pickle(nx.MultiDiGraph([("a", "b")]), tmp_path / "plain.pkl")
+    for name in ("tiny", "chain"):
+        model = getattr(clifactories, name)()
+        fxnx.write_pickle(fxnx.convert(model, torch.zeros(1, 3 if name == "tiny" else 2)),
+                          tmp_path / f"{name}.pkl")
+    return tmp_path
+
+
+def _run(argv, tmp_path):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.mark.parametrize(("argv", "message"), USAGE_ERRORS.values(), ids=USAGE_ERRORS)
+def test_a_bad_option_is_a_usage_error(argv, message, bad_files, capsys):
+    assert _run(argv, bad_files) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    *usage, line = err.splitlines()
+    # argparse's form: "usage: fxnx <command> ..." wrapped over indented lines, then one error line.
+    assert usage[0].startswith(f"usage: fxnx {argv[0]} ")
+    assert all(part.startswith(" ") for part in usage[1:])
+    assert line.startswith(f"fxnx {argv[0]}: error: argument ")
+    assert re.search(message, line.replace(str(bad_files), "{tmp}")), line
+
+
+@pytest.mark.parametrize(("argv", "message"), ERRORS.values(), ids=ERRORS)
+def test_an_error_is_one_line_and_exit_1(argv, message, bad_files, capsys):
+    assert _run(argv, bad_files) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith(f"fxnx {argv[0]}: error: ") and len(err.strip()) > len("fxnx : error:")
+    assert re.search(message, err), err
+
+
+def test_output_collisions_are_found_before_anything_is_written(bad_files, capsys):
+    assert main(["convert", "clifactories:build", "climore:build", "-o", "out"]) == 1
+    assert not (bad_files / "out").exists()
+
+
+def test_a_factory_that_calls_sys_exit_is_not_a_success(bad_files, capsys):
+    # Before: exit 0 and no output at all, as if the conversion had worked.
+    assert main(["convert", "clifactories:exits"]) == 1
+
+
+def test_interrupted_is_130_and_one_line(bad_files, capsys):
+    assert main(["convert", "clifactories:interrupted"]) == 130
+    assert capsys.readouterr().err == "fxnx convert: interrupted\n"
+
+
+def test_an_unexpected_error_is_one_line_with_its_type(bad_files, capsys, monkeypatch):
+    def broken(G):
+        raise ZeroDivisionError("deep inside\nsecond line")
+
+    monkeypatch.setattr("fxnx.cli.summary", broken)
+    assert main(["info", "tiny.pkl"]) == 1
+    assert capsys.readouterr().err == (
+        "fxnx info: error: ZeroDivisionError: deep inside (set FXNX_TRACEBACK=1 to see the "
+        "traceback)\n"
+    )
+    monkeypatch.setenv("FXNX_TRACEBACK", "1")
+    assert main(["info", "tiny.pkl"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert "in broken" in err and err.endswith("fxnx info: error: ZeroDivisionError: deep inside "
+                                               "(set FXNX_TRACEBACK=1 to see the traceback)\n")
+
+
+def test_integer_dtype_gives_token_ids_and_keeps_the_model_float(tmp_path, capsys):
+    out = tmp_path / "tokens.pkl"
+    assert main(["convert", "clifactories:tokens", "--input-shape", "4,3", "--dtype", "int64",
+                 "-o", str(out)]) == 0
+    G = fxnx.read_pickle(out)
+    assert G.graph["inputs"] == [{"name": "input", "shape": (4, 3), "dtype": "torch.int64"}]
+    # The embedding's output has the dtype of its weight: the model was not cast to int64.
+    assert [d for _, _, d in G.edges(data="dtype")] == ["torch.int64", "torch.float32", "torch.float32"]
+    assert main(["convert", "clifactories:tokens", "--input-shape", "4,3", "--dtype", "int32",
+                 "--level", "joint"]) == 0
+
+
+def test_outputs_in_missing_folders_are_made(bad_files, capsys):
+    assert main(["draw", "tiny.pkl", "-o", "new/deeper/t.svg"]) == 0
+    assert (bad_files / "new" / "deeper" / "t.svg").read_text().lstrip().startswith("<?xml")
+    assert main([*TINY, "-o", "more/t.pkl", "--json"]) == 0
+    assert fxnx.read_json(bad_files / "more" / "t.json").number_of_nodes() == 3
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's read-only /proc")
+def test_an_unwritable_output_is_one_line(bad_files, capsys):
+    for argv in ([*TINY, "-o", "/proc/fxnx-test/t.pkl"], ["draw", "tiny.pkl", "-o", "/proc/t.png"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and "/proc/" in err
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write anywhere")
+def test_a_read_only_folder_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    with pytest.raises(SystemExit) as info:
+        main([*TINY, "-o", str(tmp_path / "ro" / "t.pkl")])
+    assert info.value.code == 2
+    assert "no permission to write in" in capsys.readouterr().err
+
+
+def test_batch_outputs_with_dots_in_names_keep_their_stem(bad_files, capsys):
+    assert main([*TINY, "-o", "my.model.pkl"]) == 0
+    assert (bad_files / "my.model.pkl").exists()
+
+
+def test_an_allocation_failure_is_one_line(capsys, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 GB")
+
+    monkeypatch.setattr("torch.randn", out_of_memory)
+    assert main([*TINY, "--input-shape", "1024,1024,1024"]) == 1
+    assert capsys.readouterr().err == (
+        "fxnx convert: error: cannot make an example input of shape 1024,1024,1024 and dtype "
+        "torch.float32: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 4 GB; give a smaller --input-shape or another --dtype\n"
+    )
+
+
+def test_the_same_model_twice_without_outputs_is_converted_twice(capsys):
+    assert main(["convert", "clifactories:tiny", "clifactories:tiny"]) == 0
+    assert capsys.readouterr().out.count("== clifactories:tiny\n") == 2
