@@ -1,7 +1,8 @@
 """A captured fx graph as a ``networkx.MultiDiGraph`` of plain Python data.
 
 Nothing here runs the model: it reads the fx graph and the metadata that
-:mod:`fxnx.tracing` recorded. See DESIGN.md, "The graph contract".
+:mod:`fxnx.tracing` recorded. The attributes it writes are the graph contract: see
+:mod:`fxnx.contract` and docs/graph.md.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def convert(
     networkx.MultiDiGraph
         One node per fx node keyed by its name; one edge per occurrence of an
         input in a node's arguments. Attributes are plain Python data; see
-        DESIGN.md for the full list.
+        docs/graph.md (and :mod:`fxnx.contract`) for the full list.
 
     Raises
     ------
