@@ -94,7 +94,7 @@ def _nested(leaf: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
             if depth > MAX_DEPTH:
                 return f"nesting deeper than {MAX_DEPTH} at {path}"
             if type(item) is list:
-                stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(item))
+                stack.extend(reversed([(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(item)]))
             elif type(item) is dict:
                 for key, v in item.items():
                     if type(key) is not str:
