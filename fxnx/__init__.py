@@ -27,16 +27,25 @@ from .analysis import (
     summary,
     topological_order,
 )
+from .contract import (
+    EDGE_ATTRIBUTES,
+    GRAPH_ATTRIBUTES,
+    NODE_ATTRIBUTES,
+    Attribute,
+    validate,
+)
 from .errors import (
     CaptureError,
     FxnxError,
     FxnxTypeError,
     FxnxValueError,
+    GraphContractError,
     ShapePropagationError,
 )
 from .io import (
     GraphFileError,
     UnsafePickleError,
+    atomic_write,
     read_json,
     read_pickle,
     write_graphml,
@@ -66,16 +75,21 @@ if TYPE_CHECKING:
     from .tracing import Capture, capture
 
 __all__ = [
+    "Attribute",
     "Capture",
     "CaptureError",
     "CreditResult",
+    "EDGE_ATTRIBUTES",
     "FORMAT_VERSION",
     "FxnxError",
     "FxnxTypeError",
     "FxnxValueError",
+    "GRAPH_ATTRIBUTES",
+    "GraphContractError",
     "GraphFileError",
     "GraphvizNotFoundError",
     "MERGE_TARGETS",
+    "NODE_ATTRIBUTES",
     "NodeCall",
     "PRESETS",
     "RoutingState",
@@ -84,6 +98,7 @@ __all__ = [
     "SkipConnection",
     "UnsafePickleError",
     "__version__",
+    "atomic_write",
     "capture",
     "census",
     "convert",
@@ -110,6 +125,7 @@ __all__ = [
     "summary",
     "to_pydot",
     "topological_order",
+    "validate",
     "write_graphml",
     "write_json",
     "write_pickle",

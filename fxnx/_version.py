@@ -1,6 +1,7 @@
 """The package version, kept apart so every module can import it without cycles."""
 
-__version__ = "0.1.0"
+from .contract import FORMAT_VERSION
 
-#: Version of the graph contract (DESIGN.md); bumped when attributes change meaning.
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "__version__"]
+
+__version__ = "0.1.0"

@@ -16,6 +16,7 @@ __all__ = [
     "FxnxError",
     "FxnxTypeError",
     "FxnxValueError",
+    "GraphContractError",
     "ShapePropagationError",
 ]
 
@@ -30,6 +31,14 @@ class FxnxTypeError(FxnxError, TypeError):
 
 class FxnxValueError(FxnxError, ValueError):
     """An argument of the right type but an unusable value."""
+
+
+class GraphContractError(FxnxValueError):
+    """A graph breaks the graph contract (docs/graph.md).
+
+    The message names the graph, node or edge attribute, what was expected and
+    what it holds.
+    """
 
 
 class CaptureError(FxnxError, RuntimeError):

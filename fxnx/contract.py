@@ -1,0 +1,418 @@
+"""The graph contract: what every attribute of an fxnx graph is, as data, and a check.
+
+:data:`GRAPH_ATTRIBUTES`, :data:`NODE_ATTRIBUTES` and :data:`EDGE_ATTRIBUTES`
+list each attribute :func:`fxnx.convert` writes and those later steps add
+(:func:`fxnx.skip_connections`, :func:`fxnx.route_credit`), with its type and
+meaning. :func:`validate` walks these tables; ``docs/graph.md`` mirrors them
+(a test keeps the two equal). Attributes not in the tables are the user's own:
+any name, any plain data.
+
+This module needs networkx only: graph files are read without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+
+from .errors import GraphContractError
+
+__all__ = [
+    "Attribute",
+    "EDGE_ATTRIBUTES",
+    "FORMAT_VERSION",
+    "GRAPH_ATTRIBUTES",
+    "NODE_ATTRIBUTES",
+    "validate",
+]
+
+#: The version of this contract. A reader refuses a newer one: an attribute may have changed meaning.
+FORMAT_VERSION = 1
+
+#: How deeply an attribute's value may nest (lists in dicts in tuples ...).
+MAX_DEPTH = 32
+
+_INT64 = 2**63
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """One attribute of the contract.
+
+    ``kind`` names its type (a key of ``KINDS``, whose text the docs show);
+    ``present`` says when a graph has it (a key of ``PRESENCE``).
+    """
+
+    name: str
+    kind: str
+    present: str
+    meaning: str
+
+
+# --- types: each check returns None, or what is wrong ------------------------------------------
+
+
+def _got(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _enum(*allowed: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if type(value) is str and value in allowed else _got(value)
+
+    check.allowed = allowed  # type: ignore[attr-defined]
+    return check
+
+
+def _scalar(*types: type) -> Callable[[Any], str | None]:
+    return lambda value: None if type(value) in types else _got(value)
+
+
+def _count(value: Any) -> str | None:
+    return None if type(value) is int and 0 <= value < _INT64 else _got(value)
+
+
+def _count_or_none(value: Any) -> str | None:
+    return None if value is None else _count(value)
+
+
+def _arg(value: Any) -> str | None:
+    return None if type(value) is str else _count(value)
+
+
+def _nested(leaf: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """A leaf, or a list or str-keyed dict of nested values (a multi-output node's shapes)."""
+
+    def check(value: Any) -> str | None:
+        stack = [(value, "", 0)]
+        while stack:
+            item, path, depth = stack.pop()
+            if depth > MAX_DEPTH:
+                return f"nesting deeper than {MAX_DEPTH} at {path}"
+            if type(item) is list:
+                stack.extend(reversed([(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(item)]))
+            elif type(item) is dict:
+                for key, v in item.items():
+                    if type(key) is not str:
+                        return f"dict key {_got(key)} at {path or 'top'}"
+                    stack.append((v, f"{path}[{key!r}]", depth + 1))
+            elif leaf(item) is not None:
+                return _got(item) + (f" at {path}" if path else "")
+        return None
+
+    return check
+
+
+def _shape_leaf(value: Any) -> str | None:
+    if value is None:
+        return None
+    if type(value) is not tuple:
+        return _got(value)
+    for d in value:
+        if type(d) is not str and _count(d) is not None:
+            return _got(value)
+    return None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return None if value is None or type(value) is str else _got(value)
+
+
+def _records(**fields: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """A list of dicts with exactly these keys."""
+
+    def check(value: Any) -> str | None:
+        if type(value) is not list:
+            return _got(value)
+        for i, item in enumerate(value):
+            problem = _record(fields, item)
+            if problem:
+                return f"{problem} at [{i}]"
+        return None
+
+    return check
+
+
+def _record(fields: dict[str, Callable[[Any], str | None]], item: Any) -> str | None:
+    if type(item) is not dict or set(item) != set(fields):
+        return _got(item)
+    for key, check in fields.items():
+        problem = check(item[key])
+        if problem:
+            return f"{problem} at [{key!r}]"
+    return None
+
+
+def _mapping(value_check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """A dict with str keys and values that pass ``value_check``."""
+
+    def check(value: Any) -> str | None:
+        if type(value) is not dict:
+            return _got(value)
+        for key, item in value.items():
+            if type(key) is not str:
+                return f"dict key {_got(key)}"
+            problem = value_check(item)
+            if problem:
+                return f"{problem} at [{key!r}]"
+        return None
+
+    return check
+
+
+def _str_list(value: Any) -> str | None:
+    if type(value) is not list:
+        return _got(value)
+    for i, item in enumerate(value):
+        if type(item) is not str:
+            return f"{_got(item)} at [{i}]"
+    return None
+
+
+def _plain(value: Any) -> str | None:
+    """Plain data: str, int, float, bool, None, and tuples, lists and str-keyed dicts of them."""
+    stack = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        kind = type(item)
+        if kind in _SCALARS:
+            continue
+        if depth >= MAX_DEPTH:
+            return f"nesting deeper than {MAX_DEPTH} at {path or 'top'}"
+        if kind is list or kind is tuple:
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(item) if type(v) not in _SCALARS)
+        elif kind is dict:
+            for key, v in item.items():
+                if type(key) is not str:
+                    return f"dict key {_got(key)} at {path or 'top'}: keys must be str"
+                if type(v) not in _SCALARS:
+                    stack.append((v, f"{path}[{key!r}]", depth + 1))
+        else:
+            where = f" at {path}" if path else ""
+            return f"{type(item).__module__}.{type(item).__qualname__}{where} is not plain data"
+    return None
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+#: Type name (as docs/graph.md shows it) to its check.
+KINDS: dict[str, Callable[[Any], str | None]] = {
+    "int": _scalar(int),
+    "int >= 0": _count,
+    "int >= 0 or None": _count_or_none,
+    "str": _scalar(str),
+    "str or None": _str_or_none,
+    "bool": _scalar(bool),
+    "float or None": lambda v: None if v is None or type(v) is float else _got(v),
+    "op": _enum("placeholder", "get_attr", "call_function", "call_method", "call_module", "output"),
+    "phase": _enum("forward", "backward"),
+    "level": _enum("module", "aten", "joint"),
+    "branch role": _enum("fork", "merge", "skip", "residual"),
+    "int >= 0 or str": _arg,
+    "shape": _nested(_shape_leaf),
+    "dtype": _nested(_str_or_none),
+    "plain dict": lambda v: _got(v) if type(v) is not dict else _plain(v),
+    "dict str -> str": _mapping(_scalar(str)),
+    "dict str -> str or None": _mapping(_str_or_none),
+    "list of str": _str_list,
+    "inputs": _records(name=_scalar(str), shape=_nested(_shape_leaf), dtype=_nested(_str_or_none)),
+    "primals": _mapping(lambda v: _record({"kind": _enum("parameter", "buffer", "input"),
+                                           "name": _scalar(str)}, v)),
+    "skip connections": _records(merge=_scalar(str), fork=_scalar(str), skip=_str_list,
+                                 residual=_str_list),
+}
+
+#: When an attribute is present, in the words docs/graph.md uses.
+PRESENCE = {
+    "always": "always",
+    "make_fx": "when capture is make_fx",
+    "skip_connections": "after skip_connections",
+    "route_credit": "after route_credit",
+}
+
+GRAPH_ATTRIBUTES = (
+    Attribute("format_version", "int >= 0", "always",
+              "version of this contract; a reader refuses versions newer than its own"),
+    Attribute("fxnx_version", "str", "always", "the fxnx that made the graph"),
+    Attribute("torch_version", "str", "always", "the torch that captured the model"),
+    Attribute("model", "str", "always", "qualified class name of the model"),
+    Attribute("capture", "str", "always",
+              "route that captured the graph: symbolic_trace, graph_module, export, "
+              "draft_export or make_fx"),
+    Attribute("capture_failures", "dict str -> str", "always",
+              "route to why it failed, for the routes tried before capture"),
+    Attribute("level", "level", "always", "module, aten or joint"),
+    Attribute("shape_source", "str or None", "always",
+              "ShapeProp, FakeTensor, meta or make_fx; None without example inputs"),
+    Attribute("inputs", "inputs", "always",
+              "one {name, shape, dtype} per placeholder, in order"),
+    Attribute("modules", "dict str -> str", "always",
+              "module path to qualified class name; \"\" is the model"),
+    Attribute("num_params", "int >= 0", "always", "parameters of the model"),
+    Attribute("opaque_modules", "list of str", "always",
+              "submodules kept whole because tracing failed in them (leaf_on_failure)"),
+    Attribute("primals", "primals", "make_fx",
+              "primals_* placeholder to {kind: parameter, buffer or input, name}"),
+    Attribute("tangents", "dict str -> str", "make_fx",
+              "tangents_* placeholder to the output it is the gradient of (output[0])"),
+    Attribute("gradients", "dict str -> str or None", "make_fx",
+              "parameter or input name to the node computing its gradient (joint level)"),
+    Attribute("specialised", "bool", "make_fx",
+              "whether a tensor's value decided control flow: the graph holds for this input only"),
+    Attribute("skip_connections", "skip connections", "skip_connections",
+              "one {merge, fork, skip, residual} per skip connection, node names"),
+    Attribute("credit_rule", "str", "route_credit", "the rule route_credit used"),
+)
+
+NODE_ATTRIBUTES = (
+    Attribute("op", "op", "always",
+              "fx opcode: placeholder, get_attr, call_function, call_method, call_module, output"),
+    Attribute("target", "str", "always",
+              "what is called: operator.add, a module path, a method name, an ATen overload"),
+    Attribute("module_type", "str or None", "always",
+              "qualified class name of a call_module node's module"),
+    Attribute("scope", "str", "always", "path of the module whose forward made the call"),
+    Attribute("order", "int >= 0", "always", "position in fx order"),
+    Attribute("out_shape", "shape", "always",
+              "output shape; a list or dict of shapes for several outputs; None if unknown"),
+    Attribute("out_dtype", "dtype", "always", "output dtype such as torch.float32, nested like out_shape"),
+    Attribute("out_type", "str or None", "always", "qualified type name of the output value"),
+    Attribute("num_params", "int >= 0", "always", "parameters the node owns"),
+    Attribute("node_call_info", "plain dict", "always",
+              "the call's arguments bound to the callee's parameter names, defaults filled in"),
+    Attribute("phase", "phase", "always", "forward or backward (joint graphs)"),
+    Attribute("opaque", "bool", "always", "a submodule kept whole because tracing failed in it"),
+    Attribute("branch_role", "branch role", "skip_connections",
+              "fork, merge, skip or residual: the node's part in the innermost skip connection"),
+    Attribute("branch_merge", "str", "skip_connections", "the merge node of that skip connection"),
+    Attribute("credit_norm", "float or None", "route_credit",
+              "Euclidean norm of the credit at the node; None where it has none"),
+)
+
+EDGE_ATTRIBUTES = (
+    Attribute("arg", "int >= 0 or str", "always",
+              "where the source appears in the call: a position, a name, or a path (tensors[1])"),
+    Attribute("shape", "shape", "always", "shape of the value carried"),
+    Attribute("dtype", "dtype", "always", "dtype of the value carried"),
+    Attribute("nbytes", "int >= 0 or None", "always", "bytes of the value carried, if known"),
+    Attribute("branch_role", "branch role", "skip_connections",
+              "skip or residual: the edge's branch in the innermost skip connection"),
+    Attribute("branch_merge", "str", "skip_connections", "the merge node of that skip connection"),
+)
+
+
+# --- validate -----------------------------------------------------------------------------------
+
+
+def validate(G: Any) -> None:
+    """Check that ``G`` is a graph as :func:`fxnx.convert` makes it; raise if not.
+
+    Checks that ``G`` is a ``networkx.MultiDiGraph`` with at least one node and
+    no cycle, that ``format_version`` is one this fxnx knows, that every
+    attribute in the contract tables present on the graph, its nodes and edges
+    has its type (and that those the graph always has are there), and that
+    everything else is plain data: str, int, float, bool, None, and tuples,
+    lists and str-keyed dicts of them, nested at most 32 deep.
+
+    Raises
+    ------
+    GraphContractError
+        Saying which graph, node or edge attribute is wrong, what was expected
+        and what it holds.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph(format_version=FORMAT_VERSION + 1)
+    >>> validate(G)
+    Traceback (most recent call last):
+    ...
+    fxnx.errors.GraphContractError: G.graph['format_version'] is 2, newer than the 1 this fxnx knows: upgrade fxnx (pip install -U fxnx)
+    """
+    if not isinstance(G, nx.MultiDiGraph):
+        raise GraphContractError(f"G must be a networkx.MultiDiGraph, got {_got(G)}")
+    if type(G.graph) is not dict:
+        raise GraphContractError(f"G.graph must be a dict of graph attributes, got {_got(G.graph)}")
+    _check_version(G.graph.get("format_version", None), "format_version" in G.graph)
+    make_fx = G.graph.get("capture") == "make_fx"
+    _check_attributes(G.graph, _GRAPH, make_fx, "G.graph")
+    if not G:
+        raise GraphContractError("G has no nodes: an fxnx graph has at least its output node")
+    for node, data in G.nodes(data=True):
+        if type(node) is not str:
+            raise GraphContractError(f"node {_got(node)}: node names must be str")
+        _check_attributes(data, _NODE, make_fx, f"node {node!r}")
+    for u, v, key, data in G.edges(keys=True, data=True):
+        if type(key) is not int:
+            raise GraphContractError(f"edge {u!r} -> {v!r} key {_got(key)}: edge keys must be int")
+        _check_attributes(data, _EDGE, make_fx, f"edge {u!r} -> {v!r} (key {key})")
+    if not nx.is_directed_acyclic_graph(G):
+        cycle = [u for u, *_ in nx.find_cycle(G)]
+        raise GraphContractError(
+            f"G has a cycle ({' -> '.join(map(repr, [*cycle, cycle[0]]))}): dataflow graphs are acyclic"
+        )
+
+
+def _check_version(version: Any, present: bool) -> None:
+    if not present:
+        raise GraphContractError("G.graph has no 'format_version': not an fxnx graph")
+    if type(version) is not int or version < 0:
+        raise GraphContractError(
+            f"G.graph['format_version'] must be an int (this fxnx knows {FORMAT_VERSION}), "
+            f"got {_got(version)}"
+        )
+    if version > FORMAT_VERSION:
+        raise GraphContractError(
+            f"G.graph['format_version'] is {version}, newer than the {FORMAT_VERSION} this fxnx "
+            "knows: upgrade fxnx (pip install -U fxnx)"
+        )
+
+
+_Table = dict[str, tuple[Callable[[Any], str | None], str, str]]
+
+
+def _table(attributes: tuple[Attribute, ...]) -> _Table:
+    return {a.name: (KINDS[a.kind], a.kind, a.present) for a in attributes}
+
+
+_GRAPH, _NODE, _EDGE = map(_table, (GRAPH_ATTRIBUTES, NODE_ATTRIBUTES, EDGE_ATTRIBUTES))
+
+
+def _check_attributes(data: dict[str, Any], table: _Table, make_fx: bool, where: str) -> None:
+    for name, (_, _, present) in table.items():
+        if name not in data and (present == "always" or (present == "make_fx" and make_fx)):
+            raise GraphContractError(
+                f"{where} lacks attribute {name!r} ({PRESENCE[present]} present in fxnx graphs)"
+            )
+    for name, value in data.items():
+        spec = table.get(name)
+        if spec is None:
+            if type(name) is not str:
+                raise GraphContractError(f"{where}: attribute names must be str, got {_got(name)}")
+            problem = None if type(value) in _SCALARS else _plain(value)
+            if problem:
+                raise GraphContractError(f"{where} attribute {name!r}: {problem}")
+            continue
+        check, kind, _ = spec
+        problem = check(value)
+        if problem:
+            raise GraphContractError(
+                f"{where} attribute {name!r} must be {_describe(kind)}, got {problem}"
+            )
+
+
+def _describe(kind: str) -> str:
+    allowed = getattr(KINDS[kind], "allowed", None)
+    if allowed:
+        return "one of " + ", ".join(map(repr, allowed))
+    return {
+        "shape": "a shape (None, a tuple of int >= 0 or str, or a list or str-keyed dict of shapes)",
+        "dtype": "a dtype (None, a str, or a list or str-keyed dict of dtypes)",
+        "plain dict": "a dict of plain data",
+        "inputs": "a list of {name, shape, dtype} dicts",
+        "primals": "a dict of {kind, name} dicts",
+        "skip connections": "a list of {merge, fork, skip, residual} dicts",
+    }.get(kind, "an " + kind if kind[0] in "aeio" else "a " + kind)
