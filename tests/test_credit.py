@@ -463,8 +463,9 @@ def test_unknown_rule_lists_the_known_ones():
 
 def test_a_cycle_is_refused():
     G, model, x = _skip()
-    G.add_edge("add", "lin", arg=0)
-    with pytest.raises(fxnx.FxnxValueError, match="no longer acyclic"):
+    u, v, data = next(iter(G.in_edges("lin", data=True)))
+    G.add_edge("add", "lin", **data)
+    with pytest.raises(fxnx.FxnxValueError, match=r"G has a cycle \(.*'add' -> 'lin'"):
         fxnx.route_credit(G, model, x)
 
 
@@ -556,3 +557,10 @@ def test_a_wrong_input_shape_names_the_node():
     G, model, x = _skip()
     with pytest.raises(fxnx.ShapePropagationError, match=r"(?s)fx node '.*' \(call_module .*Linear.*input shapes"):
         fxnx.route_credit(G, model, torch.randn(3, 7))
+
+
+def test_a_graph_that_breaks_the_contract_is_refused_by_name():
+    G, model, x = _skip()
+    G.nodes["lin"]["num_params"] = "many"
+    with pytest.raises(fxnx.GraphContractError, match=r"node 'lin'.*num_params"):
+        fxnx.route_credit(G, model, x)

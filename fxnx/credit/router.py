@@ -23,6 +23,7 @@ from .._compat import pytree
 from .._routes import ROUTES
 from .._state import preserved
 from ..analysis import topological_order
+from ..contract import validate
 from ..errors import FxnxTypeError, FxnxValueError
 from ..tracing import TRACING_LOCK, LeafSpec, capture
 from .record import Credit, NodeCall, record
@@ -144,9 +145,7 @@ def route_credit(
         )
     if rule not in PRESETS:
         raise FxnxValueError(f"unknown rule {rule!r}; known rules: {', '.join(sorted(PRESETS))}")
-    if not nx.is_directed_acyclic_graph(G):
-        cycle = " -> ".join(u for u, *_ in nx.find_cycle(G))
-        raise FxnxValueError(f"G is no longer acyclic ({cycle}); credit cannot be routed over it")
+    validate(G)  # the graph contract: acyclic, every attribute of the right type
 
     route = G.graph.get("capture", "auto")
     if route == "make_fx" or G.graph.get("level") == "joint":
