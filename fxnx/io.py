@@ -360,11 +360,32 @@ def _scan(data: bytes) -> None:
     stack: list[str] = []
     marks: list[int] = []
     memo: list[str] = []
+    push, remember = stack.append, memo.append
     i, end = 0, len(data)
     while i < end:
         op = data[i]
         i += 1
-        if op in _NO_ARG:
+        # The opcodes graph files are made of, most frequent first (memo references, memoised
+        # strings, small ints, dicts): each handled in one step, the rest by kind below.
+        if op == 0x6A and i + 4 <= end:  # LONG_BINGET
+            index = int.from_bytes(data[i : i + 4], "little")
+            if index >= len(memo):
+                raise GraphFileError(f"byte {i - 1}: memo entry {index} does not exist")
+            push(memo[index])
+            i += 4
+        elif op == 0x94 and stack:  # MEMOIZE
+            remember(stack[-1])
+        elif op == 0x4B and i < end:  # BININT1
+            push("i")
+            i += 1
+        elif op == 0x8C and i < end:  # SHORT_BINUNICODE
+            i += 1 + data[i]
+            if i > end:
+                break
+            push("s")
+        elif op == 0x7D:  # EMPTY_DICT
+            push("d")
+        elif op in _NO_ARG:
             if op == 0x94:  # MEMOIZE
                 memo.append(stack[-1])
             elif op == 0x28:  # MARK
