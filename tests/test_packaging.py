@@ -90,3 +90,15 @@ def test_the_installed_wheel_converts_and_routes_credit_outside_the_checkout(whe
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[0] == "5"  # input, three layers, output
+
+
+def test_nothing_refers_to_files_outside_the_repository():
+    """The project owns its design: docs/design.md and docs/graph.md, not a sibling folder."""
+    outside = ("DESIGN" + ".md", "../" + "shared", "STYLE" + ".md")
+    files = [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / "dev.sh"] + [
+        p for folder in ("fxnx", "tests", "scripts", "docs", ".ci")
+        for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in ("", ".py", ".md", ".sh")
+    ]
+    hits = [f"{p.relative_to(ROOT)}: {word}" for p in files for word in outside if word in p.read_text()]
+    assert hits == []
+    assert (ROOT / "docs" / "design.md").exists() and (ROOT / "docs" / "graph.md").exists()
