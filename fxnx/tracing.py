@@ -10,11 +10,12 @@ with the source line or node that caused them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -343,19 +344,49 @@ def _trace(
     """Symbolic tracing; with ``leaf_on_failure``, retried with each failing submodule kept whole."""
     leaf_types, leaf_paths = _split_leaf_specs(model, leaf_modules)
     opaque: list[str] = []
-    while True:
-        tracer = _Tracer(leaf_types, leaf_paths | frozenset(opaque))
-        try:
-            graph = tracer.trace(model, concrete_args or None)
-            break
-        except Exception as err:
-            stack = list(getattr(tracer, "module_stack", {}).values())
-            failing = stack[-1][0] if stack else ""
-            if not (leaf_on_failure and failing and failing not in opaque):
-                raise CaptureError(_explain_trace_failure(model, tracer, err)) from err
-            opaque.append(failing)
-    name = type(model).__name__ if isinstance(model, nn.Module) else model.__name__
-    return fx.GraphModule(tracer.root, graph, name), opaque
+    with _no_new_attributes(model):
+        while True:
+            tracer = _Tracer(leaf_types, leaf_paths | frozenset(opaque))
+            try:
+                graph = tracer.trace(model, concrete_args or None)
+                break
+            except Exception as err:
+                stack = list(getattr(tracer, "module_stack", {}).values())
+                failing = stack[-1][0] if stack else ""
+                if not (leaf_on_failure and failing and failing not in opaque):
+                    raise CaptureError(_explain_trace_failure(model, tracer, err)) from err
+                opaque.append(failing)
+        name = type(model).__name__ if isinstance(model, nn.Module) else model.__name__
+        return fx.GraphModule(tracer.root, graph, name), opaque
+
+
+@contextlib.contextmanager
+def _no_new_attributes(model: Any) -> Iterator[None]:
+    """Remove what tracing adds to the model when the block ends.
+
+    torch.fx stores each tensor constant it meets (``torch.tensor([...])`` in a
+    ``forward``) on the module it traces, as ``_tensor_constant0``, …; the
+    GraphModule keeps its own reference, so the user's model need not keep one.
+    Removing them also keeps the names the same from one trace to the next.
+    """
+    if not isinstance(model, nn.Module):
+        yield
+        return
+    before = _own_attributes(model)
+    try:
+        yield
+    finally:
+        for name in sorted(_own_attributes(model) - before):
+            delattr(model, name)
+
+
+def _own_attributes(module: nn.Module) -> set[str]:
+    return (
+        set(vars(module))
+        | {name for name, _ in module.named_parameters(recurse=False)}
+        | {name for name, _ in module.named_buffers(recurse=False)}
+        | {name for name, _ in module.named_children()}
+    )
 
 
 def _split_leaf_specs(

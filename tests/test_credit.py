@@ -564,3 +564,71 @@ def test_a_graph_that_breaks_the_contract_is_refused_by_name():
     G.nodes["lin"]["num_params"] = "many"
     with pytest.raises(fxnx.GraphContractError, match=r"node 'lin'.*num_params"):
         fxnx.route_credit(G, model, x)
+
+
+class _FunctionalBatchNorm(nn.Module):
+    """BatchNorm as timm's BatchNormAct2d writes it: buffers passed to F.batch_norm, so a traced
+    graph reads them through get_attr instead of calling an nn.BatchNorm2d leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        nn.init.uniform_(self.bn.weight, 0.5, 1.5)  # not the default ones: a real oracle
+        nn.init.uniform_(self.bn.bias, -0.5, 0.5)
+
+    def forward(self, x):
+        h = self.conv(x)
+        bn = self.bn
+        h = nn.functional.batch_norm(h, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                                     self.training, bn.momentum, bn.eps)
+        return torch.relu(h).mean((2, 3))
+
+
+def _autograd_param_and_input_credit(model, x):
+    ref = copy.deepcopy(model)
+    x_ = x.clone().requires_grad_()
+    out = ref(x_)
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.sum(), [x_, *[p for _, p in ref.named_parameters()]])
+    return grads[0], dict(zip(names, grads[1:], strict=True))
+
+
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_buffers_read_through_get_attr_are_constants(routes, mode):
+    torch.manual_seed(0)
+    model = getattr(_FunctionalBatchNorm().double(), mode)()
+    model.bn.running_mean.uniform_(-1, 1)  # eval mode reads them: not the default zeros
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    G = fxnx.convert(model, x, routes=routes)
+    stats = {k: v.clone() for k, v in model.state_dict().items()}
+    res = fxnx.route_credit(G, model, x)
+    want_x, want = _autograd_param_and_input_credit(model, x)
+    assert _rel(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
+    assert sorted(res.param_credit) == sorted(want)
+    for name, g in want.items():
+        assert _rel(res.param_credit[name], g) <= 1e-12, name
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in stats.items())
+
+
+def test_a_tensor_constant_leaves_no_attribute_on_the_model():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) * torch.tensor([1.0, 2.0, 3.0])
+
+    model, x = Scaled(), torch.randn(2, 3)
+    before = (set(vars(model)), dict(model.named_buffers()), dict(model.named_parameters()))
+    G1 = fxnx.convert(model, x)
+    G2 = fxnx.convert(model, x)
+    assert nx.utils.graphs_equal(G1, G2)
+    assert (set(vars(model)), dict(model.named_buffers()), dict(model.named_parameters())) == before
+    res = fxnx.route_credit(G1, model, x)  # re-captures: the same names again
+    assert (set(vars(model)), dict(model.named_buffers())) == before[:2]
+    x_ = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(model(x_).sum(), x_)
+    assert torch.allclose(res.node_credit["x"], want, rtol=0, atol=1e-6)

@@ -200,7 +200,12 @@ def record(
         leaves: list[Any] = []
 
         def substitute(n: fx.Node, leaves: list[Any] = leaves) -> Any:
-            leaf = _leaf(env[n])
+            value = env[n]
+            # Buffers and tensor constants (BatchNorm's running stats) are constants, not leaves:
+            # credit never flows into them, and ops such as native_batch_norm refuse to
+            # differentiate them.
+            constant = n.op == "get_attr" and not isinstance(value, nn.Parameter)
+            leaf = value if constant else _leaf(value)
             leaves.append(leaf)
             return leaf
 
