@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +61,14 @@ class AtenCapture:
 
 
 def capture_aten(
-    model: nn.Module, inputs: Sequence[Any], *, joint: bool, fake: bool = False
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    joint: bool,
+    fake: bool = False,
 ) -> AtenCapture:
-    """Trace ``model(*inputs)`` to ATen operators; with ``joint``, its backward pass too.
+    """Trace ``model(*args, **kwargs)`` to ATen operators; with ``joint``, its backward pass too.
 
     Raises
     ------
@@ -74,9 +79,9 @@ def capture_aten(
     """
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    leaves, spec = pytree.tree_flatten(tuple(inputs))
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    input_names = _leaf_names(model, inputs)
+    input_names = _leaf_names(model, args, kwargs or {})
     primal_values = [
         *(p.detach().requires_grad_(joint) for p in params.values()),
         *(b.detach().clone() for b in buffers.values()),
@@ -98,7 +103,8 @@ def capture_aten(
         filled = list(leaves)
         for i, value in zip(slots, primal_list[n_params + n_buffers :], strict=True):
             filled[i] = value
-        out = functional_call(model, state, tuple(pytree.tree_unflatten(filled, spec)))
+        call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
+        out = functional_call(model, state, tuple(call_args), call_kwargs)
         return pytree.tree_flatten(out)[0]
 
     wrt = [k for k, v in enumerate(primal_values) if v.requires_grad]
@@ -158,15 +164,18 @@ def _input_leaf(value: torch.Tensor, joint: bool) -> torch.Tensor:
     return leaf.requires_grad_(joint and (leaf.is_floating_point() or leaf.is_complex()))
 
 
-def _leaf_names(model: nn.Module, inputs: Sequence[Any]) -> list[str]:
+def _leaf_names(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
     """``forward``'s parameter name with the path into it, for each pytree leaf of the inputs."""
     forward = model.fn if isinstance(model, FunctionModule) else model.forward
     names = [p.name for p in inspect.signature(forward).parameters.values()]
     out = []
-    for path, _ in pytree.tree_flatten_with_path(tuple(inputs))[0]:
-        index = path[0].idx if path else 0
+    for path, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        if path[0].idx == 1:  # a keyword input: its key names it
+            out.append(str(path[1].key) + pytree.keystr(path[2:]))
+            continue
+        index = path[1].idx
         head = names[index] if index < len(names) else f"input{index}"
-        out.append(head + pytree.keystr(path[1:]))
+        out.append(head + pytree.keystr(path[2:]))
     return out
 
 

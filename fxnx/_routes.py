@@ -20,7 +20,7 @@ import contextlib
 import io
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,22 +37,29 @@ __all__ = ["ROUTES", "FunctionModule", "as_module", "export_route", "quiet"]
 ROUTES = ("symbolic_trace", "export", "draft_export", "make_fx")
 
 
-def export_route(model: nn.Module | Callable[..., Any], inputs: Sequence[Any], *, draft: bool) -> fx.GraphModule:
-    """The graph ``torch.export`` (non-strict) or ``torch.export.draft_export`` makes."""
+def export_route(
+    model: nn.Module | Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    draft: bool,
+) -> fx.GraphModule:
+    """The graph ``torch.export`` (non-strict) or ``torch.export.draft_export`` makes;
+    keyword inputs are passed as keywords."""
     module = as_module(model)
-    args = tuple(inputs)
+    args, kwargs = tuple(args), dict(kwargs)
     name = "torch.export.draft_export" if draft else "torch.export.export(strict=False)"
     try:
         with preserved(module), quiet():
             if draft:
-                program = torch.export.draft_export(module, args)
+                program = torch.export.draft_export(module, args, kwargs)
             else:
-                program = torch.export.export(module, args, strict=False)
+                program = torch.export.export(module, args, kwargs, strict=False)
             gm = program.module(check_guards=False)
     except Exception as err:
         raise CaptureError(f"{name} failed: {type(err).__name__}: {first_line(err)}") from err
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    leaves = pytree.tree_leaves(args)
+    leaves = pytree.tree_leaves((args, kwargs))
     if len(placeholders) != len(leaves):
         raise CaptureError(
             f"{name} made a graph with {len(placeholders)} inputs for {len(leaves)} input "
@@ -74,8 +81,8 @@ class FunctionModule(nn.Module):
         super().__init__()
         self.fn = fn
 
-    def forward(self, *args: Any) -> Any:
-        return self.fn(*args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -129,6 +129,50 @@ def _carries_tensor(G: nx.MultiDiGraph, source: str) -> bool:
     return G.nodes[source].get("op") != "get_attr"
 
 
+#: Embedding calls, and the argument that takes the indices: where token ids become data.
+_EMBEDDINGS = {
+    ("call_function", "torch.ops.aten.embedding.default"): ("indices", 1),
+    ("call_function", "torch.nn.functional.embedding"): ("input", 0),
+    ("call_module", "torch.nn.modules.sparse.Embedding"): ("input", 0),
+}
+
+
+def _integer(dtype: Any) -> bool:
+    return isinstance(dtype, str) and dtype.startswith(("torch.int", "torch.uint", "torch.bool"))
+
+
+def _data_sources(G: nx.MultiDiGraph, starts: list[str]) -> list[str]:
+    """Which nodes without inputs carry data, rather than build indices or masks.
+
+    The model's inputs (placeholders) do; ``arange``, ``zeros``, ``scalar_tensor``
+    and other nodes that make a tensor from nothing do not. An integer or bool
+    input counts only where it (or integers computed from it) indexes an
+    embedding: ``input_ids`` is data, ``attention_mask`` and position ids are
+    not. Were a merge's branches traced back to a mask as well, their only
+    common ancestor would be the virtual root, and the residual would be lost.
+    Without any such input, every node without inputs counts, as before.
+    """
+    inputs = [n for n in starts if G.nodes[n].get("op") == "placeholder"]
+    data = [n for n in inputs if not _integer(G.nodes[n].get("out_dtype")) or _indexes(G, n)]
+    return data or inputs or starts
+
+
+def _indexes(G: nx.MultiDiGraph, start: str) -> bool:
+    """Whether ``start``'s integers reach the indices argument of an embedding."""
+    todo, seen = [start], {start}
+    while todo:
+        u = todo.pop()
+        for _, v, arg in G.out_edges(u, data="arg"):
+            data = G.nodes[v]
+            kind = data.get("module_type") if data.get("op") == "call_module" else data.get("target")
+            if arg in _EMBEDDINGS.get((data.get("op"), kind), ()):
+                return True
+            if v not in seen and _integer(data.get("out_dtype")):
+                seen.add(v)
+                todo.append(v)
+    return False
+
+
 #: The node that feeds every source of the data flow, for the dominator tree; no fx name equals it.
 _ROOT = ("fxnx", "root")
 
@@ -146,10 +190,11 @@ def _data_flow(G: nx.MultiDiGraph) -> nx.DiGraph:
     weights = {
         name for name, primal in G.graph.get("primals", {}).items() if primal["kind"] != "input"
     }
-    sources = [
+    starts = [
         n for n in G
         if G.in_degree(n) == 0 and G.nodes[n].get("op") != "get_attr" and n not in weights
     ]
+    sources = _data_sources(G, starts)
     tensors = nx.DiGraph(
         (u, v) for u, v, dtype in G.edges(data="dtype")
         # dtype None on a propagated graph: a shape or other plain value, not a tensor
@@ -168,7 +213,12 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
 
     A merge is an addition or concatenation (:data:`MERGE_TARGETS`) of two or
     more distinct tensor-producing inputs; its fork is the merge's immediate
-    dominator (every path from the inputs to the merge passes through it).
+    dominator (every path from the inputs to the merge passes through it). Where
+    a branch also reads a side input, so that no node dominates the merge (the
+    cross-attention of an encoder-decoder reads the encoder's output), the fork
+    is the merge input that every other input descends from. Index and mask
+    tensors (``arange``, an ``attention_mask`` input) are not data: paths from
+    them do not count.
     Merges whose inputs share no fork, such as adding a learned position
     embedding, are not skip connections.
 
@@ -216,12 +266,17 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
     found = []
     for merge in merges:
         fork = idom[merge]
-        if fork == _ROOT:
-            continue
-        below_fork = nx.descendants(flow, fork)
         inputs = sorted(
             {u for u in G.predecessors(merge) if u in flow and _carries_tensor(G, u)}, key=order.get
         )
+        if fork == _ROOT:
+            # No common fork because a branch also reads a side input (cross-attention reads
+            # the encoder's output): an input that every other input descends from is the fork.
+            fork = next((u for u in inputs if all(
+                v == u or u in nx.ancestors(flow, v) for v in inputs)), _ROOT)
+            if fork == _ROOT:
+                continue
+        below_fork = nx.descendants(flow, fork)
         branches = []
         for u in inputs:
             nodes = (nx.ancestors(flow, u) | {u}) & below_fork if u != fork else set()

@@ -230,6 +230,7 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
 PRESENCE = {
     "always": "always",
     "make_fx": "when capture is make_fx",
+    "fixed_kwargs": "when fxnx set keyword inputs",
     "skip_connections": "after skip_connections",
     "route_credit": "after route_credit",
 }
@@ -255,6 +256,9 @@ GRAPH_ATTRIBUTES = (
     Attribute("num_params", "int >= 0", "always", "parameters of the model"),
     Attribute("opaque_modules", "list of str", "always",
               "submodules kept whole because tracing failed in them (leaf_on_failure)"),
+    Attribute("fixed_kwargs", "plain dict", "fixed_kwargs",
+              "keyword inputs fxnx set because forward has them and the caller did not pass "
+              "them: use_cache=False (a cache is generation state, not dataflow)"),
     Attribute("primals", "primals", "make_fx",
               "primals_* placeholder to {kind: parameter, buffer or input, name}"),
     Attribute("tangents", "dict str -> str", "make_fx",

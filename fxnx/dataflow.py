@@ -198,6 +198,8 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
         capture_failures=dict(cap.failures),
         opaque_modules=list(cap.opaque),
     )
+    if cap.fixed_kwargs:
+        G.graph["fixed_kwargs"] = dict(cap.fixed_kwargs)
     if cap.aten is not None:
         G.graph.update(
             primals=cap.aten.primals,

@@ -16,7 +16,7 @@ import os
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,12 +30,40 @@ from ._shapes import empty_inputs, shape_source
 from ._shapes import propagate as propagate_shapes
 from .errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
 
-__all__ = ["TRACING_LOCK", "Capture", "capture"]
+__all__ = ["FIXED_KWARGS", "TRACING_LOCK", "Capture", "Inputs", "capture"]
 
 LeafSpec = type[nn.Module] | str
 
 
 LEVELS = ("module", "aten", "joint")
+
+#: Keyword inputs fxnx sets when ``forward`` has them and the caller did not pass them, and
+#: why. ``use_cache``: a cache is state kept for generation, not dataflow, and torch.export and
+#: make_fx cannot return Hugging Face's Cache objects. Recorded in ``G.graph["fixed_kwargs"]``.
+FIXED_KWARGS = {"use_cache": False}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The example inputs, bound to ``forward``'s signature.
+
+    Attributes
+    ----------
+    args, kwargs
+        As the caller gave them (keywords stay keywords), plus :data:`FIXED_KWARGS`
+        that apply. ``torch.export`` and ``make_fx`` take these.
+    positional : list
+        One value per ``forward`` parameter, defaults filled in: what symbolic
+        tracing's placeholders take.
+    fixed : dict
+        The keyword inputs fxnx added.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    positional: list[Any]
+    fixed: dict[str, Any]
+
 
 #: Held while fxnx traces or runs a model. torch.fx replaces ``torch.nn.Module.__call__`` (and
 #: a few functions) for the whole process while it traces symbolically, so two traces at once
@@ -62,6 +90,8 @@ class Capture:
         Whether example inputs were run through the graph.
     inputs : list or None
         The example inputs as one value per placeholder, in order; None without inputs.
+    fixed_kwargs : dict
+        Keyword inputs fxnx set (:data:`FIXED_KWARGS`), such as ``use_cache=False``.
     shape_source : str or None
         ``"ShapeProp"`` (real tensors), ``"FakeTensor"``, ``"meta"`` or
         ``"make_fx"`` (recorded while tracing real tensors); None without shapes.
@@ -87,6 +117,7 @@ class Capture:
     failures: tuple[tuple[str, str], ...] = ()
     opaque: tuple[str, ...] = ()
     aten: AtenCapture | None = None
+    fixed_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def capture(
@@ -209,6 +240,7 @@ def _capture(
         args = empty_inputs(model, input_shape, dtype)
     # Copies: a model that writes into its input must not write into the caller's tensor.
     inputs = _copied(_bind_inputs(model, args, kwargs, concrete_args or {}))
+    fixed = inputs.fixed if inputs is not None else {}
     if level != "module":
         return _capture_aten(model, inputs, level, fake)
     aten = None
@@ -219,15 +251,18 @@ def _capture(
             model, inputs, route_names, leaf_modules, dict(concrete_args or {}), leaf_on_failure,
             fake,
         )
-    run = aten is not None or (propagate and inputs is not None)  # make_fx recorded every shape
+    values = None  # one per placeholder
+    if inputs is not None:
+        module_level = method in ("symbolic_trace", "graph_module")
+        values = inputs.positional if module_level else pytree.tree_leaves((inputs.args, inputs.kwargs))
+    run = aten is not None or (propagate and values is not None)  # make_fx recorded every shape
     if run and aten is None:
-        flat = pytree.tree_leaves(tuple(inputs)) if method != "symbolic_trace" else inputs
-        propagate_shapes(gm, model, flat, fake)
+        propagate_shapes(gm, model, values, fake)
     return Capture(
-        gm=gm, model=model, method=method, propagated=run, inputs=inputs,
+        gm=gm, model=model, method=method, propagated=run, inputs=values,
         shape_source=(_source(model, fake, method) if run else None),
         level="module" if method in ("symbolic_trace", "graph_module") else "aten",
-        failures=tuple(failures), opaque=tuple(opaque), aten=aten,
+        failures=tuple(failures), opaque=tuple(opaque), aten=aten, fixed_kwargs=dict(fixed),
     )
 
 
@@ -248,7 +283,7 @@ def _route_names(routes: str | Sequence[str], level: str) -> tuple[str, ...]:
 
 def _ladder(
     model: nn.Module | Callable[..., Any],
-    inputs: list[Any] | None,
+    inputs: Inputs | None,
     route_names: Sequence[str],
     leaf_modules: Iterable[LeafSpec],
     concrete_args: dict[str, Any],
@@ -271,10 +306,12 @@ def _ladder(
                 raise CaptureError(f"{route} needs example inputs (or input_shape=) to run the model")
             if route == "make_fx":
                 with quiet():
-                    result = capture_aten(as_module(model), inputs, joint=False, fake=fake)
+                    result = capture_aten(
+                        as_module(model), inputs.args, inputs.kwargs, joint=False, fake=fake
+                    )
                 _warn_specialised(route, result.specialised)
                 return result.gm, route, failures, [], result
-            gm = export_route(model, inputs, draft=route == "draft_export")
+            gm = export_route(model, inputs.args, inputs.kwargs, draft=route == "draft_export")
             _warn_specialised(route, route == "draft_export" and reads_tensor_values(gm))
             return gm, route, failures, [], None
         except CaptureError as err:
@@ -301,16 +338,20 @@ def _warn_specialised(route: str, specialised: bool) -> None:
         )
 
 
-def _capture_aten(model: Any, inputs: list[Any] | None, level: str, fake: bool) -> Capture:
+def _capture_aten(model: Any, inputs: Inputs | None, level: str, fake: bool) -> Capture:
     if inputs is None:
         raise FxnxTypeError(
             f"level={level!r} runs the model: pass example inputs or input_shape="
         )
-    result = capture_aten(as_module(model), inputs, joint=level == "joint", fake=fake)
+    result = capture_aten(
+        as_module(model), inputs.args, inputs.kwargs, joint=level == "joint", fake=fake
+    )
     _warn_specialised("make_fx", result.specialised)
     return Capture(
-        gm=result.gm, model=model, method="make_fx", propagated=True, inputs=inputs,
+        gm=result.gm, model=model, method="make_fx", propagated=True,
+        inputs=pytree.tree_leaves((inputs.args, inputs.kwargs)),
         shape_source=_source(model, fake, "make_fx"), level=level, aten=result,
+        fixed_kwargs=dict(inputs.fixed),
     )
 
 
@@ -468,8 +509,8 @@ def _bind_inputs(
     args: Sequence[Any],
     kwargs: dict[str, Any],
     concrete_args: Mapping[str, Any],
-) -> list[Any] | None:
-    """The example inputs as one positional list in ``forward``'s parameter order.
+) -> Inputs | None:
+    """The example inputs bound to ``forward``'s parameters.
 
     Returns None when no inputs were given and ``forward`` needs some: the
     graph is then converted without shapes.
@@ -497,6 +538,11 @@ def _bind_inputs(
             f"the example inputs do not fit {_qualname(model)}.forward{sig}: "
             f"missing {', '.join(map(repr, missing))}; pass them positionally or in kwargs="
         )
+    fixed = {
+        name: value for name, value in FIXED_KWARGS.items()
+        if name in sig.parameters and name not in bound.arguments and name not in concrete_args
+    }
+    bound = sig.bind_partial(*args, **kwargs, **fixed)
     bound.apply_defaults()
     values: list[Any] = []
     for param in sig.parameters.values():
@@ -505,14 +551,24 @@ def _bind_inputs(
             values.extend(value or ())
         elif param.kind is not param.VAR_KEYWORD:
             values.append(value)
-    return values
+    return Inputs(tuple(args), {**kwargs, **fixed}, values, fixed)
 
 
-def _copied(inputs: list[Any] | None) -> list[Any] | None:
-    """The inputs with every tensor copied (meta and fake tensors copy for free)."""
+def _copied(inputs: Inputs | None) -> Inputs | None:
+    """The inputs with every tensor copied once (meta and fake tensors copy for free)."""
     if inputs is None:
         return None
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, inputs)
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in copies:  # a tensor passed twice stays one tensor
+            copies[id(t)] = t.clone()
+        return copies[id(t)]
+
+    args, kwargs, positional = pytree.tree_map(copy, (inputs.args, inputs.kwargs, inputs.positional))
+    return Inputs(args, kwargs, positional, inputs.fixed)
 
 
 def _qualname(model: Any) -> str:

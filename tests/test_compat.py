@@ -19,6 +19,8 @@ PACKAGE = Path(fxnx.__file__).parent
 NOT_TORCH = {
     "_getframe": "sys._getframe: the caller's frame for warnings",
     "_replace": "a named tuple's documented _replace",
+    "_pred": "networkx's in-edge table: read_pickle restores a file's in-edge order",
+    "_succ": "networkx's out-edge table, read alongside _pred",
 }
 
 

@@ -478,7 +478,8 @@ def test_a_missing_node_is_refused():
 
 def test_an_edge_the_model_lacks_is_refused():
     G, model, x = _skip()
-    G.add_edge("x", "relu", arg=0)
+    (_, _, data), *_ = G.in_edges("relu", data=True)
+    G.add_edge("x", "relu", **data)  # a well-formed edge the model does not have
     with pytest.raises(fxnx.FxnxValueError, match="x -> relu .* not an input of node 'relu'"):
         fxnx.route_credit(G, model, x)
 

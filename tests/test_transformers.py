@@ -1,0 +1,91 @@
+"""Hugging Face models, built from small configs with random weights (never downloaded)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import fxnx
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64,
+             vocab_size=50)
+
+
+def _config(name: str):
+    if name == "bert":
+        return transformers.BertConfig(**SMALL)
+    if name == "gpt2":
+        return transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50,
+                                       bos_token_id=0, eos_token_id=0)
+    if name == "t5":
+        return transformers.T5Config(num_layers=2, num_decoder_layers=2, num_heads=2, d_model=32,
+                                     d_kv=16, d_ff=64, vocab_size=50, decoder_start_token_id=0)
+    if name == "llama":
+        return transformers.LlamaConfig(**SMALL, num_key_value_heads=2)
+    return transformers.ViTConfig(**SMALL, image_size=16, patch_size=8)
+
+
+def _model_and_inputs(name: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(_config(name)).eval().double()
+    for module in model.modules():  # zero-initialised biases and norms would make credit vacuous
+        for p in module.parameters(recurse=False):
+            if not p.abs().sum():
+                torch.nn.init.uniform_(p, -0.5, 0.5)
+    ids = torch.randint(1, 50, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    if name == "vit":
+        return model, (torch.randn(2, 3, 16, 16, dtype=torch.float64),), {}
+    if name == "t5":
+        return model, (ids,), {"attention_mask": mask, "decoder_input_ids": ids[:, :4]}
+    return model, (ids,), {"attention_mask": mask}
+
+
+#: Skip connections in two layers: per layer, the attention and MLP residuals (T5's decoder
+#: has a cross-attention residual too; Llama's rotary embedding adds a cat and an add for each
+#: of q and k). Before index and mask tensors stopped counting as data, BERT showed 2 of its 4.
+SKIPS = {"bert": 4, "gpt2": 6, "t5": 10, "llama": 12, "vit": 4}
+
+
+@pytest.mark.parametrize("name", sorted(SKIPS))
+def test_converts_with_defaults_and_routes_exact_credit(name):
+    model, args, kwargs = _model_and_inputs(name)
+    G = fxnx.convert(model, *args, kwargs=kwargs)
+    fxnx.validate(G)
+    # Keyword inputs stay keywords; unused optional inputs are not placeholders.
+    assert [i["name"] for i in G.graph["inputs"] if i["shape"] is not None] == [
+        "pixel_values" if name == "vit" else "input_ids", *kwargs]
+    takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    assert G.graph.get("fixed_kwargs") == ({"use_cache": False} if takes_cache else None)
+    # The oracle for shapes: the eager model's output.
+    with torch.no_grad():
+        eager = model(*args, **kwargs, **G.graph.get("fixed_kwargs", {}))
+    shapes = {shape for *_, shape in G.in_edges("output", data="shape")}
+    assert tuple(eager.last_hidden_state.shape) in shapes
+
+    res = fxnx.route_credit(G, model, *args, kwargs=kwargs)
+    ref = copy.deepcopy(model)
+    out = ref(*args, **kwargs, **G.graph.get("fixed_kwargs", {}))
+    leaves = [t for t in torch.utils._pytree.tree_leaves(dict(out)) if t.is_floating_point()]
+    params = [p for _, p in ref.named_parameters()]
+    grads = torch.autograd.grad(leaves, params, [torch.ones_like(t) for t in leaves],
+                                allow_unused=True)
+    assert sorted(res.param_credit) == sorted(n for (n, _), g in zip(ref.named_parameters(), grads,
+                                                                     strict=True) if g is not None)
+    for (pname, _), g in zip(ref.named_parameters(), grads, strict=True):
+        if g is None:
+            continue
+        got = res.param_credit[pname]
+        assert (got - g).norm() <= 1e-12 * g.norm(), pname
+
+
+@pytest.mark.parametrize("name", sorted(SKIPS))
+def test_attention_and_mlp_residuals_are_found(name):
+    model, args, kwargs = _model_and_inputs(name)
+    assert len(fxnx.skip_connections(fxnx.convert(model, *args, kwargs=kwargs))) == SKIPS[name]
