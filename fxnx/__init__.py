@@ -40,11 +40,11 @@ from .errors import (
     FxnxTypeError,
     FxnxValueError,
     GraphContractError,
+    GraphFileError,
     ShapePropagationError,
+    UnsafePickleError,
 )
 from .io import (
-    GraphFileError,
-    UnsafePickleError,
     atomic_write,
     read_json,
     read_pickle,

@@ -156,8 +156,12 @@ def writable(text: str) -> Path:
         raise argparse.ArgumentTypeError("an empty path: give a file name")
     path = Path(text)
     folder = path.parent.absolute()
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not existing.is_dir():
+    try:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        is_dir = existing.is_dir()
+    except OSError as err:  # a name too long, a folder that cannot be searched
+        raise argparse.ArgumentTypeError(f"cannot write {text[:80]}: {err.strerror}") from None
+    if not is_dir:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: no permission to write in {existing}")
@@ -180,6 +184,10 @@ file name
         raise argparse.ArgumentTypeError(
             f"cannot draw to {path.name!r}: give a .png, .svg, .pdf or .dot file name"
         )
-    if path.is_dir():
+    try:
+        folder = path.is_dir()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write {text[:80]}: {err.strerror}") from None
+    if folder:
         raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name")
     return path

@@ -12,6 +12,7 @@ This module needs networkx only: graph files are read without torch.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,9 +56,15 @@ class Attribute:
 # --- types: each check returns None, or what is wrong ------------------------------------------
 
 
+#: Short reprs for error messages: a stranger's file may hold huge values.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 60
+
+
 def _got(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+    if type(value) is int and value.bit_length() > 200:  # too long to print, or to convert
+        return f"int of {value.bit_length():,} bits"
+    return f"{type(value).__name__} {_SHORT.repr(value)}"
 
 
 def _enum(*allowed: str) -> Callable[[Any], str | None]:
@@ -348,11 +355,16 @@ def validate(G: Any) -> None:
     for node, data in G.nodes(data=True):
         if type(node) is not str:
             raise GraphContractError(f"node {_got(node)}: node names must be str")
-        _check_attributes(data, _NODE, make_fx, f"node {node!r}")
+        _check_attributes(data, _NODE, make_fx, lambda node=node: f"node {_SHORT.repr(node)}")
     for u, v, key, data in G.edges(keys=True, data=True):
         if type(key) is not int:
-            raise GraphContractError(f"edge {u!r} -> {v!r} key {_got(key)}: edge keys must be int")
-        _check_attributes(data, _EDGE, make_fx, f"edge {u!r} -> {v!r} (key {key})")
+            raise GraphContractError(
+                f"edge {_SHORT.repr(u)} -> {_SHORT.repr(v)} key {_got(key)}: edge keys must be int"
+            )
+        _check_attributes(
+            data, _EDGE, make_fx,
+            lambda u=u, v=v, key=key: f"edge {_SHORT.repr(u)} -> {_SHORT.repr(v)} (key {key})",
+        )
     if not nx.is_directed_acyclic_graph(G):
         cycle = [u for u, *_ in nx.find_cycle(G)]
         raise GraphContractError(
@@ -363,9 +375,10 @@ def validate(G: Any) -> None:
 def _check_version(version: Any, present: bool) -> None:
     if not present:
         raise GraphContractError("G.graph has no 'format_version': not an fxnx graph")
-    if type(version) is not int or version < 0:
+    if type(version) is not int or version < 1:
         raise GraphContractError(
-            f"G.graph['format_version'] must be an int (this fxnx knows {FORMAT_VERSION}), "
+            f"G.graph['format_version'] must be an int from 1 to {FORMAT_VERSION} (the versions "
+            "this fxnx knows), "
             f"got {_got(version)}"
         )
     if version > FORMAT_VERSION:
@@ -385,27 +398,34 @@ def _table(attributes: tuple[Attribute, ...]) -> _Table:
 _GRAPH, _NODE, _EDGE = map(_table, (GRAPH_ATTRIBUTES, NODE_ATTRIBUTES, EDGE_ATTRIBUTES))
 
 
-def _check_attributes(data: dict[str, Any], table: _Table, make_fx: bool, where: str) -> None:
+def _check_attributes(
+    data: dict[str, Any], table: _Table, make_fx: bool, where: str | Callable[[], str]
+) -> None:
+    """Check one attribute dict; ``where`` names it in errors (a callable: spelt out only then)."""
     for name, (_, _, present) in table.items():
         if name not in data and (present == "always" or (present == "make_fx" and make_fx)):
             raise GraphContractError(
-                f"{where} lacks attribute {name!r} ({PRESENCE[present]} present in fxnx graphs)"
+                f"{_spelt(where)} lacks attribute {name!r} ({PRESENCE[present]} present in fxnx graphs)"
             )
     for name, value in data.items():
         spec = table.get(name)
         if spec is None:
             if type(name) is not str:
-                raise GraphContractError(f"{where}: attribute names must be str, got {_got(name)}")
+                raise GraphContractError(f"{_spelt(where)}: attribute names must be str, got {_got(name)}")
             problem = None if type(value) in _SCALARS else _plain(value)
             if problem:
-                raise GraphContractError(f"{where} attribute {name!r}: {problem}")
+                raise GraphContractError(f"{_spelt(where)} attribute {name!r}: {problem}")
             continue
         check, kind, _ = spec
         problem = check(value)
         if problem:
             raise GraphContractError(
-                f"{where} attribute {name!r} must be {_describe(kind)}, got {problem}"
+                f"{_spelt(where)} attribute {name!r} must be {_describe(kind)}, got {problem}"
             )
+
+
+def _spelt(where: str | Callable[[], str]) -> str:
+    return where if isinstance(where, str) else where()
 
 
 def _describe(kind: str) -> str:

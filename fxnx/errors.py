@@ -17,7 +17,9 @@ __all__ = [
     "FxnxTypeError",
     "FxnxValueError",
     "GraphContractError",
+    "GraphFileError",
     "ShapePropagationError",
+    "UnsafePickleError",
 ]
 
 
@@ -46,6 +48,14 @@ class CaptureError(FxnxError, RuntimeError):
 
     The message names the source line that stopped tracing and what to do about it.
     """
+
+
+class GraphFileError(FxnxError, ValueError):
+    """A graph file is truncated, corrupt, not an fxnx graph, or from a newer fxnx."""
+
+
+class UnsafePickleError(GraphFileError):
+    """A pickle asked for something graph files never contain; nothing in it was run."""
 
 
 class ShapePropagationError(FxnxError, ValueError):

@@ -458,3 +458,11 @@ def test_an_allocation_failure_is_one_line(capsys, monkeypatch):
 def test_the_same_model_twice_without_outputs_is_converted_twice(capsys):
     assert main(["convert", "clifactories:tiny", "clifactories:tiny"]) == 0
     assert capsys.readouterr().out.count("== clifactories:tiny\n") == 2
+
+
+def test_a_file_name_too_long_for_the_system_is_one_line(tmp_path, capsys):
+    long = str(tmp_path / ("a" * 300 + ".png"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["draw", str(tmp_path / "g.pkl"), "-o", long])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and "File name too long" in err

@@ -514,3 +514,67 @@ def test_pickle_and_json_round_trips_after_skip_connections_and_route_credit(tor
     H = fxnx.read_pickle(tmp_path / "g.pkl")
     assert [list(H.predecessors(n)) for n in H] == [list(G.predecessors(n)) for n in G]
     assert math.isfinite(H.nodes["add"]["credit_norm"])
+
+
+# --- found in review: huge values, shared strings, odd files, long names ---------------------
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda G: G.nodes["lin"].update(num_params=10**6000),
+        lambda G: G.graph.update(mine={10**6000: 1}),
+        lambda G: G.graph.update(model=["x" * 1000] * 3000),
+    ],
+    ids=["huge int attribute", "huge int key", "huge repr"],
+)
+def test_huge_values_give_one_graph_file_error(spoil, tmp_path):
+    G = _graph()
+    spoil(G)
+    path = _raw_pickle(G, tmp_path / "g.pkl")
+    with pytest.raises(fxnx.GraphFileError):
+        fxnx.read_pickle(path)
+    assert main(["info", str(path)]) == 1
+
+
+def test_a_shared_string_bomb_is_refused(tmp_path, capsys):
+    """Memo references to one long string: a small file whose text spelt out is gigabytes."""
+    G = _graph()
+    G.graph["opaque_modules"] = ["m" * 100_000] * 100_000  # 10 GB as text, one string in memory
+    path = _raw_pickle(G, tmp_path / "bomb.pkl")
+    assert path.stat().st_size < 600_000
+    with pytest.raises(fxnx.GraphFileError, match="characters through shared references"):
+        fxnx.read_pickle(path)
+    capsys.readouterr()
+    assert main(["info", str(path)]) == 1
+    assert len(capsys.readouterr().err) < 1000
+
+
+def test_format_version_zero_is_refused(tmp_path):
+    G = _graph()
+    G.graph["format_version"] = 0
+    with pytest.raises(fxnx.GraphFileError, match="must be an int from 1 to"):
+        fxnx.read_pickle(_raw_pickle(G, tmp_path / "g.pkl"))
+
+
+def test_a_device_or_a_pipe_is_not_read(tmp_path):
+    with pytest.raises(fxnx.GraphFileError, match="not a regular file"):
+        fxnx.read_pickle("/dev/zero")  # would never end
+    fifo = tmp_path / "pipe.pkl"
+    os.mkfifo(fifo)
+    keep_open = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer, so opening cannot block
+    try:
+        with pytest.raises(fxnx.GraphFileError, match="not a regular file"):
+            fxnx.read_pickle(fifo)
+    finally:
+        os.close(keep_open)
+
+
+def test_atomic_write_works_for_the_longest_name_and_keeps_permissions(tmp_path):
+    path = tmp_path / ("n" * 250 + ".pkl")
+    fxnx.write_pickle(_graph(), path)
+    os.chmod(path, 0o640)
+    fxnx.write_pickle(_graph(), path)
+    assert fxnx.read_pickle(path).graph["format_version"] == fxnx.FORMAT_VERSION
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
