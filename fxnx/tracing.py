@@ -30,7 +30,15 @@ from ._shapes import empty_inputs, shape_source
 from ._shapes import propagate as propagate_shapes
 from .errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
 
-__all__ = ["FIXED_KWARGS", "TRACING_LOCK", "Capture", "Inputs", "capture"]
+__all__ = [
+    "FIXED_KWARGS",
+    "TRACING_LOCK",
+    "Capture",
+    "Inputs",
+    "bind_inputs",
+    "capture",
+    "placeholder_values",
+]
 
 LeafSpec = type[nn.Module] | str
 
@@ -239,7 +247,7 @@ def _capture(
             raise FxnxTypeError("give example inputs or input_shape, not both")
         args = empty_inputs(model, input_shape, dtype)
     # Copies: a model that writes into its input must not write into the caller's tensor.
-    inputs = _copied(_bind_inputs(model, args, kwargs, concrete_args or {}))
+    inputs = bind_inputs(model, args, kwargs, concrete_args)
     fixed = inputs.fixed if inputs is not None else {}
     if level != "module":
         return _capture_aten(model, inputs, level, fake)
@@ -251,10 +259,7 @@ def _capture(
             model, inputs, route_names, leaf_modules, dict(concrete_args or {}), leaf_on_failure,
             fake,
         )
-    values = None  # one per placeholder
-    if inputs is not None:
-        module_level = method in ("symbolic_trace", "graph_module")
-        values = inputs.positional if module_level else pytree.tree_leaves((inputs.args, inputs.kwargs))
+    values = placeholder_values(inputs, method)
     run = aten is not None or (propagate and values is not None)  # make_fx recorded every shape
     if run and aten is None:
         propagate_shapes(gm, model, values, fake)
@@ -552,6 +557,25 @@ def _bind_inputs(
         elif param.kind is not param.VAR_KEYWORD:
             values.append(value)
     return Inputs(tuple(args), {**kwargs, **fixed}, values, fixed)
+
+
+def bind_inputs(
+    model: nn.Module | Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    concrete_args: Mapping[str, Any] | None = None,
+) -> Inputs | None:
+    """The example inputs bound to ``forward``, every tensor copied (see :func:`capture`)."""
+    return _copied(_bind_inputs(model, args, dict(kwargs or {}), concrete_args or {}))
+
+
+def placeholder_values(inputs: Inputs | None, method: str) -> list[Any] | None:
+    """One value per placeholder of a graph captured by ``method``."""
+    if inputs is None:
+        return None
+    if method in ("symbolic_trace", "graph_module"):
+        return inputs.positional
+    return pytree.tree_leaves((inputs.args, inputs.kwargs))
 
 
 def _copied(inputs: Inputs | None) -> Inputs | None:

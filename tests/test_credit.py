@@ -633,3 +633,62 @@ def test_a_tensor_constant_leaves_no_attribute_on_the_model():
     x_ = x.clone().requires_grad_()
     (want,) = torch.autograd.grad(model(x_).sum(), x_)
     assert torch.allclose(res.node_credit["x"], want, rtol=0, atol=1e-6)
+
+
+class _CountingCapture:
+    def __init__(self, monkeypatch):
+        from fxnx import _reuse
+
+        self.calls = 0
+        real = _reuse.capture
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_reuse, "capture", counted)
+
+
+def _input_and_weight_credit(model, x, weight):
+    ref = copy.deepcopy(model)
+    x_ = x.clone().requires_grad_()
+    return torch.autograd.grad(ref(x_).sum(), [x_, ref.get_parameter(weight)])
+
+
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+def test_the_capture_is_reused_while_only_parameter_values_change(routes, monkeypatch):
+    torch.manual_seed(0)
+    model = CASES["skip_block"].build().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x, routes=routes)
+    counter = _CountingCapture(monkeypatch)
+    for step in range(3):
+        res = fxnx.route_credit(G, model, x * (step + 1))
+        want_x, want_w = _input_and_weight_credit(model, x * (step + 1), "lin.weight")
+        assert _rel(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
+        assert _rel(res.param_credit["lin.weight"], want_w) <= 1e-12
+        with torch.no_grad():  # what an optimizer step does: values change in place
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+    assert counter.calls == 1
+
+
+def test_a_changed_structure_is_captured_again(monkeypatch):
+    torch.manual_seed(0)
+    model = CASES["skip_block"].build().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    counter = _CountingCapture(monkeypatch)
+    fxnx.route_credit(G, model, x)
+    model.lin = nn.Linear(4, 4).double()  # same shapes, another module
+    res = fxnx.route_credit(G, model, x)
+    _, want_w = _input_and_weight_credit(model, x, "lin.weight")
+    assert _rel(res.param_credit["lin.weight"], want_w) <= 1e-12
+    model.eval()  # was in training mode
+    fxnx.route_credit(G, model, x)
+    assert counter.calls == 3
+    x5 = torch.randn(5, 4, dtype=torch.float64)
+    res = fxnx.route_credit(G, model, x5)  # a symbolic trace holds for any batch size
+    assert counter.calls == 3
+    want_x, _ = _input_and_weight_credit(model, x5, "lin.weight")
+    assert _rel(res.node_credit["x"], want_x) <= 1e-12

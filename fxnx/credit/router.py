@@ -20,12 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import pytree
+from .._reuse import recapture
 from .._routes import ROUTES
 from .._state import preserved
 from ..analysis import topological_order
 from ..contract import validate
 from ..errors import FxnxTypeError, FxnxValueError
-from ..tracing import TRACING_LOCK, LeafSpec, capture
+from ..tracing import TRACING_LOCK, LeafSpec
 from .record import Credit, NodeCall, record
 from .rules import PRESETS, RoutingState, Rule, exact, lookup
 
@@ -154,9 +155,9 @@ def route_credit(
             "parameters themselves; route credit over a graph from convert(model, x) at "
             "level='module' (symbolic_trace, export or draft_export)"
         )
-    cap = capture(
-        model, inputs, kwargs, leaf_modules=leaf_modules, concrete_args=concrete_args,
-        propagate=False, routes=route if route in ROUTES else "auto",
+    cap = recapture(  # the capture behind G, reused while model and inputs keep their structure
+        model, inputs, kwargs, leaf_modules=tuple(leaf_modules), concrete_args=concrete_args,
+        routes=route if route in ROUTES else "auto",
         leaf_on_failure=bool(G.graph.get("opaque_modules")),
     )
     _check_nodes(G, [node.name for node in cap.gm.graph.nodes])

@@ -1,0 +1,96 @@
+"""Reusing a capture across credit runs on the same model.
+
+Capturing a model (tracing it, or running ``torch.export``) costs far more than
+one forward pass, and a training loop routes credit thousands of times over
+one model. :func:`recapture` keeps the captured graph per model, keyed by
+everything it depends on: the capture options, the model's structure (module
+classes, training modes, parameter and buffer names, shapes and dtypes) and
+the inputs' structure (shapes and dtypes of tensors, other values as they
+are). Parameter *values* may change between calls, as an optimizer changes
+them in place; the graph reads them from the model's own modules and
+parameters at run time. When the structure changes (a module replaced, a
+parameter frozen, the training mode switched), the key changes and the model
+is captured again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._compat import pytree
+from .tracing import Capture, bind_inputs, capture, placeholder_values
+
+__all__ = ["recapture"]
+
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, Capture]] = weakref.WeakKeyDictionary()
+#: Graphs kept per model (different input shapes or options); the oldest goes first.
+_PER_MODEL = 4
+
+
+def recapture(
+    model: nn.Module | Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    **options: Any,
+) -> Capture:
+    """:func:`fxnx.tracing.capture` with ``propagate=False``, reusing an earlier capture of
+    the same model with the same structure, inputs and options."""
+    if not isinstance(model, nn.Module):
+        return capture(model, args, kwargs, propagate=False, **options)
+    # A symbolic trace holds for any shape; torch.export and make_fx specialise to the example's.
+    shapes = options.get("routes") != "symbolic_trace"
+    key = (_options_key(options), _structure(model), _inputs_key(args, kwargs, shapes))
+    kept = _CACHE.setdefault(model, {})
+    cached = kept.get(key)
+    if cached is None:
+        cap = capture(model, args, kwargs, propagate=False, **options)
+        # The entry must not hold the model itself, or the weak key would never be freed.
+        kept[key] = Capture(**{**vars(cap), "model": None, "inputs": None})  # type: ignore[arg-type]
+        while len(kept) > _PER_MODEL:
+            del kept[next(iter(kept))]
+        return cap
+    inputs = bind_inputs(model, args, kwargs, options.get("concrete_args"))
+    values = placeholder_values(inputs, cached.method)
+    return Capture(**{**vars(cached), "model": model, "inputs": values})
+
+
+def _structure(model: nn.Module) -> tuple[Any, ...]:
+    """What a captured graph of ``model`` depends on, besides the inputs."""
+    # Identities too: a graph calls the very modules and reads the very parameters it was
+    # captured with (the cached graph keeps them alive, so their ids are not reused).
+    return (
+        tuple((path, id(m), type(m), m.training) for path, m in model.named_modules()),
+        tuple((n, id(p), p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()),
+        tuple((n, id(b), b.shape, b.dtype) for n, b in model.named_buffers()),
+    )
+
+
+def _inputs_key(args: Sequence[Any], kwargs: Mapping[str, Any] | None, shapes: bool) -> Any:
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    return str(spec), tuple(
+        ("tensor", tuple(x.shape) if shapes else x.dim(), x.dtype, x.device.type)
+        if isinstance(x, torch.Tensor)
+        else (type(x), x if _hashable(x) else repr(x))
+        for x in leaves
+    )
+
+
+def _options_key(options: Mapping[str, Any]) -> Any:
+    return tuple(
+        (name, tuple(value) if isinstance(value, list) else value
+         if _hashable(value) else repr(value))
+        for name, value in sorted(options.items())
+    )
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
