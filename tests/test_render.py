@@ -11,7 +11,7 @@ import torch
 import torchvision
 
 import fxnx
-from fxnx import render
+from fxnx import _style, render
 
 from zoo import CASES
 
@@ -66,13 +66,13 @@ def test_skip_edges_stand_out_and_merges_are_marked(name, torchvision_model):
     skips = fxnx.skip_connections(G)
     nodes, edges = _styles(fxnx.to_pydot(G))
     skip_colors = {e.get("color") for e in edges if e.get("penwidth") == "2.5"}
-    other_colors = {e.get("color", render.PLAIN) for e in edges if e.get("penwidth") != "2.5"}
-    assert skip_colors == {render.SKIP}
-    assert render.SKIP not in other_colors
-    assert sum(e.get("color") == render.SKIP for e in edges) >= len(skips)
+    other_colors = {e.get("color", _style.PLAIN) for e in edges if e.get("penwidth") != "2.5"}
+    assert skip_colors == {_style.SKIP}
+    assert _style.SKIP not in other_colors
+    assert sum(e.get("color") == _style.SKIP for e in edges) >= len(skips)
     merges = [n for n, a in nodes.items() if a.get("peripheries") == "2"]
     assert len(merges) == len(skips)
-    assert all(nodes[m]["color"] == render.MERGE for m in merges)
+    assert all(nodes[m]["color"] == _style.MERGE for m in merges)
 
 
 def test_edges_carry_shapes_and_nodes_their_kind():
@@ -97,7 +97,7 @@ def test_color_by_credit_adds_a_colour_bar():
     G = fxnx.convert(model, x)
     fxnx.route_credit(G, model, x)
     text = fxnx.to_pydot(G, color_by="credit_norm").to_string()
-    assert all(c in text for c in render.VIRIDIS)
+    assert all(c in text for c in _style.VIRIDIS)
     assert "credit_norm" in text
     with pytest.raises(fxnx.FxnxValueError, match="run fxnx.route_credit on G first"):
         fxnx.to_pydot(_zoo("skip_block"), color_by="credit_norm")
@@ -137,11 +137,26 @@ def test_too_large_for_png_is_collapsed_with_a_warning(name, tmp_path):
 
 
 @needs_dot
-def test_a_png_too_large_at_the_asked_depth_is_refused(tmp_path):
-    G = _zoo("skip_block")
+def test_a_png_too_large_at_the_asked_depth_is_refused(tmp_path, monkeypatch):
+    chain = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(60)))
+    G = fxnx.convert(chain, torch.zeros(1, 2))
+    runs = _count_dot_runs(monkeypatch)
     with pytest.raises(fxnx.FxnxValueError, match="32767-pixel limit"):
-        fxnx.draw(G, tmp_path / "g.png", dpi=50_000, depth=1)
+        fxnx.draw(G, tmp_path / "g.png", dpi=1200, depth=1)  # 60 ranks x 0.75 in x 1200 dpi
     assert not (tmp_path / "g.png").exists()
+    assert runs == []  # refused from the prediction, before running Graphviz
+
+
+def _count_dot_runs(monkeypatch):
+    runs = []
+    real = render._run_dot
+
+    def counted(*args, **kwargs):
+        runs.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(render, "_run_dot", counted)
+    return runs
 
 
 def test_without_dot_a_clear_error_and_dot_text_still_works(tmp_path, monkeypatch):
