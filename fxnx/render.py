@@ -138,9 +138,11 @@ def _pydot(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, rankd
     primals = view.graph.get("primals", {})
     for node in topological_order(view):
         data = view.nodes[node]
-        (parents.get(data.get("scope") or "") or dot).add_node(
-            pydot.Node(node_id(node), **node_style(node, data, scale, primals.get(node)))
-        )
+        # Declared at the top, so that P.get_node(name) finds it; named in its module's box.
+        dot.add_node(pydot.Node(node_id(node), **node_style(node, data, scale, primals.get(node))))
+        cluster = parents.get(str(data.get("scope") or ""))
+        if cluster is not None:
+            cluster.add_node(pydot.Node(node_id(node)))
     for u, v, data in view.edges(data=True):
         dot.add_edge(pydot.Edge(node_id(u), node_id(v), **edge_style(data)))
     dot.add_node(pydot.Node(node_id(LEGEND), **legend(view, scale)))
