@@ -19,6 +19,8 @@ __all__ = ["Estimate", "bounded_options", "estimate"]
 
 #: Points (1/72 inch) per character of a node's bold 12-point name, and of its 10-point kind.
 NAME_CHAR, KIND_CHAR = 7.4, 5.6
+#: Points per character of an edge's 10-point shape label, placed beside the edge.
+LABEL_CHAR = 5.6
 #: Points a node adds beyond its text (margins and border), and a virtual node's width.
 NODE_PAD, VIRTUAL = 16.0, 10.0
 #: Points between neighbours in a rank (nodesep) and from rank to rank (height plus ranksep).
@@ -77,7 +79,9 @@ def estimate(G: nx.MultiDiGraph, label_width: Callable[[Any, dict[str, Any]], fl
         width[rank[node] - low] += label_width(node, data) + NODESEP
     crossing = [0] * (ranks + 1)  # virtual nodes per rank, as a difference array
     virtual = 0
-    for u, v in G.edges():
+    for u, v, shape in G.edges(data="shape"):
+        if isinstance(shape, (tuple, list)):  # the shape label sits beside the edge's first rank
+            width[min(rank[u], rank[v]) - low] += (3 * len(shape) + 2) * LABEL_CHAR
         span = abs(rank[v] - rank[u])
         if span > 1:
             virtual += span - 1

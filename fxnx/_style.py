@@ -221,8 +221,11 @@ class Scale:
 
 
 def _line(color: str, dashed: bool) -> str:
-    """A legend cell showing a line: bold dashes, or a solid bar."""
-    return f'<TD><FONT COLOR="{color}"><B>{"- - -" if dashed else "━━━"}</B></FONT></TD>'
+    """A legend cell showing a line 3 points thick: four dashes, or one solid bar."""
+    bar = f'<TD BGCOLOR="{color}" WIDTH="{{}}" HEIGHT="3" FIXEDSIZE="TRUE"></TD>'
+    cells = bar.format(6) * 4 if dashed else bar.format(33)
+    return (f'<TD><TABLE BORDER="0" CELLPADDING="0" CELLSPACING="3"><TR>{cells}</TR>'
+            "</TABLE></TD>")
 
 
 def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:

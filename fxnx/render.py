@@ -42,8 +42,8 @@ __all__ = ["GraphvizNotFoundError", "draw", "to_pydot"]
 MAX_PIXELS = 32767
 #: A PNG drawn without ``depth`` is collapsed until dot's work (nodes plus virtual nodes) and
 #: the layout's area (square inches) are below these: past them a PNG is neither readable nor
-#: quick (ResNet-50 in full is about 300 and 600; DenseNet-121 in full about 27,000).
-PNG_WORK, PNG_AREA = 3000, 1500.0
+#: quick (ResNet-50 in full is about 300 and 880; DenseNet-121 in full about 27,000 and 6,000).
+PNG_WORK, PNG_AREA = 2000, 1000.0
 #: The ``dpi`` accepted: Graphviz's 96 by default, 300 to 600 for print.
 MAX_DPI = 1200
 #: Seconds one dot run may take before draw() gives up and names a depth that will work.
@@ -177,10 +177,10 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     Graphviz's ``dot`` runs once. Without ``depth``, a PNG is collapsed to the
     deepest module level whose layout is predicted (from node, edge and rank
     counts, before running Graphviz) to be readable and quick: at most
-    3,000 nodes plus virtual nodes, 1,500 square inches, and Graphviz's
+    2,000 nodes plus virtual nodes, 1,000 square inches, and Graphviz's
     32,767-pixel limit; a warning says so. SVG and PDF keep every node; past
-    that work, dot's crossing reduction and placement passes are limited so
-    the layout takes seconds, and a run past two minutes stops with an error
+    6,000 nodes plus virtual nodes, dot's crossing reduction and placement
+    passes are limited so the layout takes seconds (edges cross more), and a run past two minutes stops with an error
     that names a depth that will work. ``dpi`` is Graphviz's default 96; ask
     for 200 or more for print. Options are those of :func:`to_pydot`. The
     file is written whole or not at all: a failed run leaves ``path`` as it was.

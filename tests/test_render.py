@@ -370,3 +370,13 @@ def test_a_layout_past_the_time_limit_names_a_depth(tmp_path, monkeypatch, torch
         fxnx.draw(G, path)
     assert path.read_bytes() == b"the previous drawing"
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@needs_dot
+@pytest.mark.slow
+def test_densenet121_svg_keeps_every_node_with_a_bounded_layout(tmp_path, monkeypatch, torchvision_model):
+    G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 224, 224))
+    runs = _count_dot_runs(monkeypatch)
+    svg = fxnx.draw(G, tmp_path / "densenet121.svg").read_text()
+    assert runs == ["svg"]
+    assert all(f'<g id="{node}" class="node">' in svg for node in G)
