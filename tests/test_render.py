@@ -11,7 +11,7 @@ import torch
 import torchvision
 
 import fxnx
-from fxnx import render
+from fxnx import _style, render
 
 from zoo import CASES
 
@@ -43,7 +43,9 @@ def test_dot_text_matches_golden(name, options, request):
 
 
 def _styles(dot):
-    nodes = {n.get_name(): n.get_attributes() for n in _all_nodes(dot)}
+    nodes = {}  # a node in a module's box is declared at the top and named again in the box
+    for n in _all_nodes(dot):
+        nodes.setdefault(n.get_name(), {}).update(n.get_attributes())
     edges = [e.get_attributes() for e in _all_edges(dot)]
     return nodes, edges
 
@@ -66,13 +68,13 @@ def test_skip_edges_stand_out_and_merges_are_marked(name, torchvision_model):
     skips = fxnx.skip_connections(G)
     nodes, edges = _styles(fxnx.to_pydot(G))
     skip_colors = {e.get("color") for e in edges if e.get("penwidth") == "2.5"}
-    other_colors = {e.get("color", render.PLAIN) for e in edges if e.get("penwidth") != "2.5"}
-    assert skip_colors == {render.SKIP}
-    assert render.SKIP not in other_colors
-    assert sum(e.get("color") == render.SKIP for e in edges) >= len(skips)
+    other_colors = {e.get("color", _style.PLAIN) for e in edges if e.get("penwidth") != "2.5"}
+    assert skip_colors == {_style.SKIP}
+    assert _style.SKIP not in other_colors
+    assert sum(e.get("color") == _style.SKIP for e in edges) >= len(skips)
     merges = [n for n, a in nodes.items() if a.get("peripheries") == "2"]
     assert len(merges) == len(skips)
-    assert all(nodes[m]["color"] == render.MERGE for m in merges)
+    assert all(nodes[m]["color"] == _style.MERGE for m in merges)
 
 
 def test_edges_carry_shapes_and_nodes_their_kind():
@@ -97,7 +99,7 @@ def test_color_by_credit_adds_a_colour_bar():
     G = fxnx.convert(model, x)
     fxnx.route_credit(G, model, x)
     text = fxnx.to_pydot(G, color_by="credit_norm").to_string()
-    assert all(c in text for c in render.VIRIDIS)
+    assert all(c in text for c in _style.VIRIDIS)
     assert "credit_norm" in text
     with pytest.raises(fxnx.FxnxValueError, match="run fxnx.route_credit on G first"):
         fxnx.to_pydot(_zoo("skip_block"), color_by="credit_norm")
@@ -137,11 +139,26 @@ def test_too_large_for_png_is_collapsed_with_a_warning(name, tmp_path):
 
 
 @needs_dot
-def test_a_png_too_large_at_the_asked_depth_is_refused(tmp_path):
-    G = _zoo("skip_block")
+def test_a_png_too_large_at_the_asked_depth_is_refused(tmp_path, monkeypatch):
+    chain = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(60)))
+    G = fxnx.convert(chain, torch.zeros(1, 2))
+    runs = _count_dot_runs(monkeypatch)
     with pytest.raises(fxnx.FxnxValueError, match="32767-pixel limit"):
-        fxnx.draw(G, tmp_path / "g.png", dpi=50_000, depth=1)
+        fxnx.draw(G, tmp_path / "g.png", dpi=1200, depth=1)  # 60 ranks x 0.75 in x 1200 dpi
     assert not (tmp_path / "g.png").exists()
+    assert runs == []  # refused from the prediction, before running Graphviz
+
+
+def _count_dot_runs(monkeypatch):
+    runs = []
+    real = render._run_dot
+
+    def counted(*args, **kwargs):
+        runs.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(render, "_run_dot", counted)
+    return runs
 
 
 def test_without_dot_a_clear_error_and_dot_text_still_works(tmp_path, monkeypatch):
@@ -167,3 +184,199 @@ def test_bad_options_are_refused(tmp_path):
 def test_drawing_is_deterministic():
     assert fxnx.to_pydot(_zoo("nested_skip")).to_string() == fxnx.to_pydot(_zoo("nested_skip")).to_string()
     assert re.search(r"digraph fxnx \{", fxnx.to_pydot(_zoo("nested_skip")).to_string())
+
+
+# --- node ids, branch styles, one Graphviz run ----------------------------------------------
+
+
+def test_dot_ids_are_node_names(torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 3, 64, 64))
+    P = fxnx.to_pydot(G)
+    for node in G:
+        (found,) = P.get_node(node)
+        assert found.get("id") == f'"{node}"'  # the SVG element's id
+    assert P.get_node("layer1_0_conv1")[0].get("tooltip").startswith('"layer1_0_conv1\\nop: call_module')
+    P1 = fxnx.to_pydot(G, depth=1)
+    assert {"layer1", "layer2", "layer3", "layer4", "conv1", "fc"} <= {
+        n.get_name().strip('"') for n in P1.get_nodes()
+    }
+    assert P1.get_node("layer1.0") == [] and len(fxnx.to_pydot(G, depth=2).get_node("layer1.0")) == 1
+
+
+@pytest.mark.parametrize("name", ["resnet18", "densenet121", "mobilenet_v3_small"])
+def test_every_edge_into_a_merge_is_styled_by_its_branch_role(name, torchvision_model):
+    G = fxnx.convert(torchvision_model(name), torch.randn(1, 3, 64, 64))
+    fxnx.skip_connections(G)
+    P = fxnx.to_pydot(G)
+    drawn = {}  # (u, v) -> the attributes of the pydot edges between them, in order
+    for e in P.get_edges():
+        drawn.setdefault((e.get_source(), e.get_destination()), []).append(e.get_attributes())
+    merges = [n for n, d in G.nodes(data=True) if d.get("branch_role") == "merge"]
+    assert merges
+    for merge in merges:
+        by_role = {}
+        for u, v, data in G.in_edges(merge, data=True):
+            attrs = drawn[(u, v)].pop(0)
+            look = (attrs.get("color"), attrs.get("style", "solid"), attrs.get("penwidth"))
+            by_role.setdefault(data.get("branch_role"), set()).add(look)
+        assert {"skip", "residual"} <= set(by_role), merge
+        for role, looks in by_role.items():
+            others = set().union(*(v for r, v in by_role.items() if r != role))
+            assert not looks & others, (merge, role)
+        # told apart without colour: skip edges dashed, residual edges solid
+        assert {look[1] for look in by_role["skip"]} == {"dashed"}
+        assert {look[1] for look in by_role["residual"]} == {"solid"}
+
+
+def test_legend_shows_only_what_is_drawn():
+    G = fxnx.convert(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()), torch.zeros(1, 3))
+    legend = fxnx.to_pydot(G).get_node("fxnx legend")[0].get("label")
+    assert "skip branch" not in legend and "merge" not in legend and "fork" not in legend
+    legend = fxnx.to_pydot(_zoo("nested_skip")).get_node("fxnx legend")[0].get("label")
+    assert "skip branch (dashed)" in legend and "residual branch (solid)" in legend
+    assert "merge" in legend and "fork" in legend and "backward" not in legend
+
+
+@needs_dot
+def test_densenet121_png_is_drawn_with_one_graphviz_run(tmp_path, monkeypatch, torchvision_model):
+    G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 224, 224))
+    runs = _count_dot_runs(monkeypatch)
+    with pytest.warns(UserWarning, match=r"collapsed below depth \d"):
+        path = fxnx.draw(G, tmp_path / "densenet121.png")
+    assert runs == ["png"]
+    width, height = _png_size(path)
+    assert 100 < max(width, height) <= render.MAX_PIXELS
+
+
+@needs_dot
+@pytest.mark.parametrize("suffix", ["png", "svg", "pdf"])
+def test_one_graphviz_run_per_drawing(suffix, tmp_path, monkeypatch):
+    runs = _count_dot_runs(monkeypatch)
+    fxnx.draw(_zoo("nested_skip"), tmp_path / f"g.{suffix}")
+    fxnx.draw(_zoo("nested_skip"), tmp_path / f"g1.{suffix}", depth=1)
+    assert runs == [suffix, suffix]
+
+
+@needs_dot
+def test_svg_names_and_pdf_embeds_a_standard_font(tmp_path):
+    svg = fxnx.draw(_zoo("skip_block"), tmp_path / "g.svg").read_text()
+    assert 'font-family="Helvetica,sans-Serif"' in svg
+    assert '<g id="lin" class="node">' in svg and "<title>lin</title>" in svg
+    assert 'xlink:title="lin&#10;op: call_module (Linear)&#10;target: lin&#10;output shape: (2, 4)"' in svg
+    pdf = fxnx.draw(_zoo("skip_block"), tmp_path / "g.pdf").read_bytes()
+    assert b"/FontFile" in pdf  # the font's program is embedded, not only named
+
+
+# --- crafted graphs, dpi, atomic output (issue 10) --------------------------------------------
+
+CRAFTED = [
+    '"]; evil [label="x', "<IMG SRC=\"/etc/passwd\">", 'a"b', "back\\", "line\nbreak",
+    "semi; colon -> edge", "\\N\\G", "node",
+]
+
+
+def _crafted():
+    G = _zoo("nested_skip")
+    names = {n: f"{n}{CRAFTED[i % len(CRAFTED)]}" for i, n in enumerate(G)}
+    import networkx as nx
+
+    G = nx.relabel_nodes(G, names)
+    G.graph["model"] = '<IMG SRC="/etc/hostname">"]; evil [label="'
+    G.graph["modules"] = {"inner": '<IMG SRC="/etc/passwd">', "": 'x"]; y [label="'}
+    for i, (_, data) in enumerate(G.nodes(data=True)):
+        data["target"] = CRAFTED[i % len(CRAFTED)] + str(data.get("target"))
+        data["module_type"] = "<IMG SRC='/etc/passwd'>" + CRAFTED[(i + 1) % len(CRAFTED)]
+        data["out_shape"] = (2, CRAFTED[(i + 2) % len(CRAFTED)])
+        data['score"]; evil [label="<IMG SRC=x>'] = float(i + 1)
+    for i, (*_, data) in enumerate(G.edges(data=True)):
+        data["shape"] = (2, CRAFTED[i % len(CRAFTED)])
+    output = next(n for n, d in G.nodes(data=True) if d["op"] == "output")
+    G.nodes[output].update(op="module", members='<IMG SRC="/etc/passwd"/>"]; evil [label="')
+    return G
+
+
+def _parsed_counts(text):
+    import pydot
+
+    (P,) = pydot.graph_from_dot_data(text)
+    nodes = {n.get_name() for n in _all_nodes(P)} - {"node", "edge", "graph"}
+    return nodes, list(_all_edges(P))
+
+
+@pytest.mark.parametrize("depth", [None, 1])
+def test_crafted_attributes_cannot_add_nodes_or_markup(depth, tmp_path):
+    import pydot
+
+    G = _crafted()
+    text = fxnx.to_pydot(G, depth=depth, color_by='score"]; evil [label="<IMG SRC=x>').to_string()
+    view = render.collapse(G, depth) if depth else G
+    nodes, edges = _parsed_counts(text)
+    assert len(nodes) == view.number_of_nodes() + 1  # and the legend
+    assert len(edges) == view.number_of_edges()
+    assert "evil" not in {n.strip('"') for n in nodes}
+    (P,) = pydot.graph_from_dot_data(text)
+    for item in [*_all_nodes(P), *_all_edges(P), *P.get_subgraphs()]:
+        for key, value in item.get_attributes().items():
+            if str(value).startswith("<"):  # an HTML-like label: markup only from fxnx
+                assert not re.search(r"<\s*img", value, re.IGNORECASE), (key, value)
+    if render.shutil.which("dot"):
+        done = render.subprocess.run(["dot", "-Tsvg"], input=text.encode(), capture_output=True)
+        assert done.returncode == 0, done.stderr
+        assert b"<image" not in done.stdout
+        assert b"Warning" not in done.stderr and b"Error" not in done.stderr
+
+
+def test_odd_node_names_round_trip_as_ids():
+    import pydot
+
+    G = _crafted()
+    P = fxnx.to_pydot(G)
+    (parsed,) = pydot.graph_from_dot_data(P.to_string())
+    ids = {n.get_name() for n in _all_nodes(parsed)}
+    for node in G:
+        assert render.node_id(node) in ids, node
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", node):
+            assert len(P.get_node(node)) == 1
+
+
+@pytest.mark.parametrize("dpi", [-5, 0, 1.5, "96", True, 100_000])
+def test_dpi_is_checked_before_graphviz_runs(dpi, tmp_path, monkeypatch):
+    runs = _count_dot_runs(monkeypatch)
+    with pytest.raises(fxnx.FxnxValueError, match=r"dpi must be a whole number from 1 to 1200"):
+        fxnx.draw(_zoo("skip_block"), tmp_path / "g.png", dpi=dpi)
+    assert runs == [] and list(tmp_path.iterdir()) == []
+
+
+@needs_dot
+@pytest.mark.parametrize("suffix", ["png", "svg"])
+def test_a_failed_graphviz_run_leaves_the_previous_file(suffix, tmp_path, monkeypatch):
+    path = tmp_path / f"g.{suffix}"
+    path.write_bytes(b"the previous drawing")
+    broken = type("Broken", (), {"to_string": lambda self: "digraph { a -> ; }"})()
+    monkeypatch.setattr(render, "_pydot", lambda view, **kw: broken)
+    with pytest.raises(fxnx.FxnxValueError, match="Graphviz's dot failed on"):
+        fxnx.draw(_zoo("skip_block"), path)
+    assert path.read_bytes() == b"the previous drawing"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@needs_dot
+def test_a_layout_past_the_time_limit_names_a_depth(tmp_path, monkeypatch, torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet50"), torch.randn(1, 3, 64, 64))
+    path = tmp_path / "g.svg"
+    path.write_bytes(b"the previous drawing")
+    monkeypatch.setattr(render, "DOT_TIMEOUT", 0.01)
+    with pytest.raises(fxnx.FxnxValueError, match=r"did not lay out g\.svg within .*depth=3 or less"):
+        fxnx.draw(G, path)
+    assert path.read_bytes() == b"the previous drawing"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@needs_dot
+@pytest.mark.slow
+def test_densenet121_svg_keeps_every_node_with_a_bounded_layout(tmp_path, monkeypatch, torchvision_model):
+    G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 224, 224))
+    runs = _count_dot_runs(monkeypatch)
+    svg = fxnx.draw(G, tmp_path / "densenet121.svg").read_text()
+    assert runs == ["svg"]
+    assert all(f'<g id="{node}" class="node">' in svg for node in G)

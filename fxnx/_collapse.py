@@ -1,0 +1,99 @@
+"""Collapsing modules: every module nested deeper than a depth becomes one node.
+
+Used by :mod:`fxnx.render` to draw large models; no pydot, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+
+from .analysis import topological_order
+from .errors import FxnxValueError
+
+__all__ = ["BACKWARD_SUFFIX", "collapse", "module_depth"]
+
+#: Appended to a module's path to name the collapsed node of its backward ops.
+BACKWARD_SUFFIX = " (backward)"
+
+
+def _path(data: dict[str, Any]) -> str:
+    """The module path a node belongs to: the module itself for call_module, else its scope."""
+    return data["target"] if data.get("op") == "call_module" else (data.get("scope") or "")
+
+
+def module_depth(G: nx.MultiDiGraph) -> int:
+    return max((len(_path(d).split(".")) for _, d in G.nodes(data=True) if _path(d)), default=0)
+
+
+def collapse(G: nx.MultiDiGraph, depth: int) -> nx.MultiDiGraph:
+    """Replace every module nested deeper than ``depth`` by one node for its ancestor at ``depth``.
+
+    A module whose calls would close a cycle once merged (one module called at
+    several places) is left expanded.
+    """
+    if depth < 1:
+        raise FxnxValueError(f"depth must be 1 or more, got {depth}")
+    group: dict[str, str] = {}
+    owners = {  # a parameter or buffer belongs to the module that owns it
+        node: primal["name"].rpartition(".")[0]
+        for node, primal in G.graph.get("primals", {}).items() if primal["kind"] != "input"
+    }
+    owners.update(
+        (node, data["target"].rpartition(".")[0])
+        for node, data in G.nodes(data=True) if data.get("op") == "get_attr"
+    )
+    for node, data in G.nodes(data=True):
+        path = owners.get(node, _path(data))
+        parts = path.split(".") if path else []
+        leaf_call = data.get("op") == "call_module" and len(parts) == depth
+        # In a joint graph a module's backward ops form a node of their own.
+        suffix = BACKWARD_SUFFIX if data.get("phase") == "backward" else ""
+        keep = len(parts) >= depth and not leaf_call
+        group[node] = ".".join(parts[:depth]) + suffix if keep else node
+    while True:
+        H = _grouped(G, group)
+        if nx.is_directed_acyclic_graph(H):
+            break
+        cyclic = {u for u, *_ in nx.find_cycle(H)} - set(G)
+        group.update({n: n for n, g in group.items() if g in cyclic})
+    from .analysis import skip_connections
+
+    skip_connections(H)  # the skip connections still visible once modules are collapsed
+    return H
+
+
+def _grouped(G: nx.MultiDiGraph, group: dict[str, str]) -> nx.MultiDiGraph:
+    modules = G.graph.get("modules", {})
+    H = nx.MultiDiGraph(**{k: v for k, v in G.graph.items() if k != "skip_connections"})
+    for node in topological_order(G):
+        key, data = group[node], G.nodes[node]
+        if key == node:
+            H.add_node(node, **_without_roles(data))
+            continue
+        if key not in H:
+            path = key.removesuffix(BACKWARD_SUFFIX)
+            H.add_node(key, op="module", target=path, module_type=modules.get(path),
+                       scope=path.rpartition(".")[0], order=data.get("order"), members=0,
+                       phase="backward" if path != key else "forward")
+        H.nodes[key]["members"] += 1
+        for attr in ("credit_norm", "out_shape"):  # the value at the module's output
+            if data.get(attr) is not None:
+                H.nodes[key][attr] = data[attr]
+    bundles: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for u, v, data in G.edges(data=True):
+        if group[u] != group[v]:
+            bundles.setdefault((group[u], group[v]), []).append(data)
+    for (gu, gv), edges in bundles.items():
+        # One edge per pair of nodes; several distinct tensors become one edge that counts them.
+        distinct = {str(d.get("shape")) for d in edges}
+        data = _without_roles(edges[0])
+        if len(distinct) > 1:
+            data.update(shape=None, tensors=len(distinct))
+        H.add_edge(gu, gv, **data)
+    return H
+
+
+def _without_roles(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k not in ("branch_role", "branch_merge")}

@@ -1,0 +1,270 @@
+"""DOT attributes for :mod:`fxnx.render`: palette, line styles, escaped labels, legend.
+
+Every string taken from a graph reaches DOT through :func:`text` (inside
+HTML-like labels) or :func:`quoted` (a quoted DOT string shown literally), and
+node ids through :func:`node_id`; nothing from the graph is pasted into DOT
+as it is. No pydot, no torch.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+import zlib
+from typing import Any
+
+import networkx as nx
+
+from .analysis import short_name
+from .errors import FxnxValueError
+
+__all__ = [
+    "BACKWARD", "BACKWARD_FILL", "FILLS", "FONT", "FORK", "MERGE", "OPAQUE", "PLAIN",
+    "RESIDUAL", "SKIP", "SKIP_STYLE", "Scale", "VIRIDIS", "cluster_label", "edge_style", "kind",
+    "label_width", "legend", "node_id", "node_style", "quoted", "text",
+]
+
+#: Okabe and Ito's colour-blind-safe colours: skip branches vermillion and dashed, residual
+#: branches blue and solid (told apart in grayscale by the dashes), merges orange with a double
+#: border, forks bluish green with a thick one; plain edges gray.
+SKIP, RESIDUAL, MERGE, FORK, PLAIN = "#D55E00", "#0072B2", "#E69F00", "#009E73", "#5F6368"
+#: The line style of skip edges; residual and plain edges are solid.
+SKIP_STYLE = "dashed"
+#: Borders of opaque nodes (kept whole because tracing failed) and of backward-pass nodes.
+OPAQUE, BACKWARD, BACKWARD_FILL = "#202124", "#8430CE", "#DCCCF4"
+#: Node fills, picked by a stable hash of the node's kind (module class or function name).
+FILLS = ("#E8F0FE", "#FCE8E6", "#E6F4EA", "#FEF7E0", "#F3E8FD", "#E4F7FB", "#FDE7F3",
+         "#EDEFF1", "#FFF1E6", "#E9F5E1")
+#: Viridis at nine stops, for colouring nodes by a number.
+VIRIDIS = ("#440154", "#472D7B", "#3B528B", "#2C728E", "#21918C", "#28AE80", "#5EC962",
+           "#ADDC30", "#FDE725")
+#: A standard PostScript font: SVG names it (with sans-serif as fallback), PDF embeds it.
+FONT = "Helvetica"
+
+_PLAIN_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_PYDOT_QUOTES = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_. ()+\-/]*\Z")  # pydot quotes these faithfully
+_KEYWORDS = {"graph", "subgraph", "digraph", "node", "edge", "strict"}
+
+
+def text(value: Any) -> str:
+    """``value`` as text inside an HTML-like label: markup escaped, line breaks as spaces.
+
+    Examples
+    --------
+    >>> text('<IMG SRC="/etc/passwd">')
+    '&lt;IMG SRC=&quot;/etc/passwd&quot;&gt;'
+    """
+    return html.escape(str(value)).replace("\r", " ").replace("\n", " ")
+
+
+def quoted(value: Any) -> str:
+    """``value`` as a quoted DOT string that Graphviz shows literally (``\\N`` stays ``\\N``).
+
+    Examples
+    --------
+    >>> print(quoted('a "b" \\\\N'))
+    "a \\"b\\" \\\\N"
+    """
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\r", "")
+    return '"' + escaped.replace("\n", "\\n") + '"'
+
+
+def node_id(name: Any) -> str:
+    """The DOT id of a node: its name, so that ``P.get_node(name)`` finds it.
+
+    Names pydot quotes faithfully (identifiers, module paths such as
+    ``layer1.0``) are given to pydot as they are; any other name is quoted
+    and escaped here, and ``P.get_node`` then needs that quoted form.
+
+    Examples
+    --------
+    >>> node_id("layer1_0_conv1"), node_id("layer1.0"), node_id('a"b'), node_id("node")
+    ('layer1_0_conv1', 'layer1.0', '"a\\\\"b"', '"node"')
+    """
+    name = str(name)
+    if name.lower() not in _KEYWORDS and (_PLAIN_ID.match(name) or _PYDOT_QUOTES.match(name)):
+        return name
+    return quoted(name)
+
+
+def kind(data: dict[str, Any]) -> str:
+    """A node's kind in a word: its module class, function, method or role."""
+    op = data.get("op")
+    if op in ("call_module", "module"):
+        return str(data.get("module_type") or "module").rsplit(".", 1)[-1]
+    if op == "call_method":
+        return f".{data.get('target')}()"
+    if op == "call_function":
+        return short_name(str(data.get("target")))
+    return {"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(op, str(op or ""))
+
+
+def _title(node: Any, data: dict[str, Any]) -> str:
+    if data.get("op") == "module":  # inside its parent's box, the last part of the path says it
+        target = str(data.get("target"))
+        last = target.rpartition(".")[2]
+        return target if last.isdigit() else last
+    return str(node)
+
+
+def label_width(node: Any, data: dict[str, Any]) -> float:
+    """A node's width in points, from its label text, for :func:`fxnx._layout.estimate`."""
+    from ._layout import KIND_CHAR, NAME_CHAR, NODE_PAD
+
+    return max(len(_title(node, data)) * NAME_CHAR, len(kind(data)) * KIND_CHAR) + NODE_PAD
+
+
+def _tooltip(node: Any, data: dict[str, Any], kind_text: str) -> str:
+    lines = [str(node), f"op: {data.get('op')} ({kind_text})", f"target: {data.get('target')}"]
+    if data.get("out_shape") is not None:
+        lines.append(f"output shape: {data['out_shape']}")
+    if data.get("op") == "module" and data.get("members"):
+        lines.append(f"{data['members']} ops collapsed")
+    return "\n".join(lines)
+
+
+def node_style(
+    node: Any, data: dict[str, Any], scale: Scale | None, primal: dict[str, str] | None = None
+) -> dict[str, str]:
+    """DOT attributes of one node: label, tooltip, SVG id, fill and border by branch role."""
+    what = f"{primal.get('kind')} {primal.get('name')}" if primal else kind(data)
+    name = _title(node, data)
+    lines = [f"<B>{text(name)}</B>"]
+    note = what
+    if data.get("op") == "module" and data.get("members"):
+        note = f"{what} · {data['members']} ops"
+    if note and note != name:
+        lines.append(f'<FONT POINT-SIZE="10">{text(note)}</FONT>')
+    if data.get("opaque"):
+        lines.append('<FONT POINT-SIZE="9">opaque: not traced</FONT>')
+    style = {"label": "<" + "<BR/>".join(lines) + ">", "tooltip": quoted(_tooltip(node, data, what)),
+             "id": quoted(node)}
+    fill = FILLS[zlib.crc32(str(primal.get("kind") if primal else what).encode()) % len(FILLS)]
+    if scale is not None:
+        value = data.get(scale.attr)
+        usable = isinstance(value, (int, float)) and math.isfinite(value)
+        fill = scale.color(value) if usable else "#FFFFFF"
+        if usable and scale.dark(value):
+            style["fontcolor"] = "#FFFFFF"
+    style["fillcolor"] = fill
+    role = data.get("branch_role")
+    if role == "merge":
+        style.update(color=MERGE, penwidth="2.5", peripheries="2")
+    elif role == "fork":
+        style.update(color=FORK, penwidth="2.5")
+    elif role == "skip":
+        style.update(color=SKIP, penwidth="1.5")
+    elif role == "residual":
+        style.update(color=RESIDUAL, penwidth="1.2")
+    if data.get("phase") == "backward":
+        style.setdefault("color", BACKWARD)
+        if scale is None:
+            style["fillcolor"] = BACKWARD_FILL
+    if data.get("op") in ("placeholder", "output"):
+        style["shape"] = "oval"
+    if data.get("op") == "module":
+        style["style"] = "rounded,filled,bold"
+    if data.get("opaque"):
+        style.update(style="rounded,filled,dashed", penwidth="2", color=OPAQUE)
+    return style
+
+
+def edge_style(data: dict[str, Any]) -> dict[str, str]:
+    """DOT attributes of one edge: the tensor's shape, and colour and dashes by branch role."""
+    style = {}
+    shape = data.get("shape")
+    if isinstance(shape, (tuple, list)):
+        style["xlabel"] = quoted(" " + "×".join(map(str, shape)) + " ")
+    elif data.get("tensors"):
+        style.update(xlabel=quoted(f" {data['tensors']} tensors "), penwidth="2")
+    role = data.get("branch_role")
+    if role == "skip":
+        style.update(color=SKIP, penwidth="2.5", style=SKIP_STYLE)
+    elif role == "residual":
+        style.update(color=RESIDUAL, penwidth="1.6")
+    return style
+
+
+def cluster_label(scope: str, module_type: Any) -> str:
+    """The HTML-like label of a module's box: its path and class."""
+    kind_text = str(module_type or "").rsplit(".", 1)[-1]
+    return "<" + text(f"{scope}: {kind_text}" if kind_text else scope) + ">"
+
+
+class Scale:
+    """Maps a numeric node attribute onto viridis, on a log scale when it spans decades."""
+
+    def __init__(self, G: nx.MultiDiGraph, attr: str) -> None:
+        values = [v for _, v in G.nodes(data=attr)
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        if not values:
+            raise FxnxValueError(
+                f"color_by={attr!r}: no node has a numeric {attr!r} attribute "
+                "(for 'credit_norm', run fxnx.route_credit on G first)"
+            )
+        self.attr = attr
+        self.low, self.high = min(values), max(values)
+        self.log = self.low > 0 and self.high / self.low > 100
+
+    def position(self, value: float) -> float:
+        lo, hi, v = self.low, self.high, value
+        if self.log:
+            lo, hi, v = math.log10(lo), math.log10(hi), math.log10(max(value, self.low))
+        return 0.0 if hi == lo else min(1.0, max(0.0, (v - lo) / (hi - lo)))
+
+    def color(self, value: float) -> str:
+        return VIRIDIS[round(self.position(value) * (len(VIRIDIS) - 1))]
+
+    def dark(self, value: float) -> bool:
+        return self.position(value) < 0.55
+
+
+def _line(color: str, dashed: bool) -> str:
+    """A legend cell showing a line 3 points thick: four dashes, or one solid bar."""
+    bar = f'<TD BGCOLOR="{color}" WIDTH="{{}}" HEIGHT="3" FIXEDSIZE="TRUE"></TD>'
+    cells = bar.format(6) * 4 if dashed else bar.format(33)
+    return (f'<TD><TABLE BORDER="0" CELLPADDING="0" CELLSPACING="3"><TR>{cells}</TR>'
+            "</TABLE></TD>")
+
+
+def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
+    """The legend node: one row for each mark that the drawing of ``G`` shows."""
+    node_roles = {data.get("branch_role") for _, data in G.nodes(data=True)}
+    edge_roles = {data.get("branch_role") for *_, data in G.edges(data=True)}
+    rows = []
+    if "skip" in edge_roles:
+        rows.append(f'<TR>{_line(SKIP, True)}<TD ALIGN="LEFT">skip branch (dashed)</TD></TR>')
+    if "residual" in edge_roles:
+        rows.append(f'<TR>{_line(RESIDUAL, False)}<TD ALIGN="LEFT">residual branch (solid)</TD></TR>')
+    if "merge" in node_roles:
+        double = (f'<TABLE BORDER="2" CELLBORDER="2" CELLSPACING="2" COLOR="{MERGE}">'
+                  f'<TR><TD COLOR="{MERGE}"> </TD></TR></TABLE>')
+        rows.append(f'<TR><TD>{double}</TD><TD ALIGN="LEFT">merge (add, cat)</TD></TR>')
+    if "fork" in node_roles:
+        rows.append(f'<TR><TD BORDER="2" COLOR="{FORK}"> </TD><TD ALIGN="LEFT">fork</TD></TR>')
+    if any(data.get("opaque") for _, data in G.nodes(data=True)):
+        rows.append(
+            f'<TR><TD BORDER="1" STYLE="dashed" COLOR="{OPAQUE}"> </TD>'
+            '<TD ALIGN="LEFT">opaque: kept whole, tracing failed inside</TD></TR>'
+        )
+    if any(data.get("phase") == "backward" for _, data in G.nodes(data=True)):
+        rows.append(
+            f'<TR><TD BORDER="1" BGCOLOR="{BACKWARD_FILL}" COLOR="{BACKWARD}"> </TD>'
+            '<TD ALIGN="LEFT">backward pass</TD></TR>'
+        )
+    if scale is not None:
+        cells = "".join(f'<TD BGCOLOR="{c}" WIDTH="12"> </TD>' for c in VIRIDIS)
+        rows.append(
+            f'<TR><TD COLSPAN="2"><TABLE BORDER="0" CELLSPACING="0"><TR>{cells}</TR></TABLE></TD></TR>'
+        )
+        rows.append(
+            f'<TR><TD ALIGN="LEFT">{scale.low:.3g}</TD><TD ALIGN="RIGHT">{scale.high:.3g}</TD></TR>'
+            f'<TR><TD COLSPAN="2">{text(scale.attr)}{" (log scale)" if scale.log else ""}</TD></TR>'
+        )
+    title = text(str(G.graph.get("model") or "").rsplit(".", 1)[-1])
+    table = (
+        f'<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2"><TR><TD COLSPAN="2"><B>{title}</B></TD></TR>'
+        + "".join(rows) + "</TABLE>"
+    )
+    return {"label": f"<{table}>", "shape": "plain", "style": "", "fontsize": "11"}
