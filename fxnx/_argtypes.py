@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import render as _render
+
 __all__ = [
     "MAX_DPI",
     "MAX_INPUT_ELEMENTS",
@@ -28,8 +30,8 @@ __all__ = [
 
 #: Example inputs over this many elements (4 GiB of float32) are refused before allocating.
 MAX_INPUT_ELEMENTS = 2**30
-#: The highest ``--dpi``: a page-sized PNG at print resolution; beyond it Graphviz only grinds.
-MAX_DPI = 2400
+#: The highest ``--dpi``: the one fxnx.draw accepts.
+MAX_DPI = _render.MAX_DPI
 _DRAWING_SUFFIXES = (".png", ".svg", ".pdf", ".dot", ".gv")
 
 

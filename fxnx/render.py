@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from ._style import (
 )
 from .analysis import topological_order
 from .errors import FxnxError, FxnxTypeError, FxnxValueError
+from .io import atomic_write
 
 __all__ = ["GraphvizNotFoundError", "draw", "to_pydot"]
 
@@ -213,7 +213,8 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
             f"got {dpi!r}"
         )
     if fmt in ("dot", "gv"):
-        _write_atomically(path, to_pydot(G, **options).to_string().encode())
+        with atomic_write(path) as f:
+            f.write(to_pydot(G, **options).to_string().encode())
         return path
     if shutil.which("dot") is None:
         raise GraphvizNotFoundError(
@@ -297,31 +298,17 @@ def _quick_depth(G: nx.MultiDiGraph) -> int:
 def _run_dot(text: str, fmt: str, dpi: int, path: Path) -> str:
     """Run Graphviz's dot once on DOT text, writing ``path`` atomically; return its warnings.
 
-    dot writes a temporary file beside ``path``, which replaces ``path`` only
-    when dot succeeds; on any failure ``path`` is left as it was.
+    dot writes to a pipe; ``path`` is replaced (:func:`fxnx.io.atomic_write`) only when dot
+    succeeds, so on any failure it is left as it was.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{fmt}", dir=path.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            ["dot", f"-T{fmt}", f"-Gdpi={dpi}", "-o", tmp],
-            input=text.encode(), capture_output=True, check=False, timeout=DOT_TIMEOUT,
-        )
-        notes = done.stderr.decode(errors="replace")
-        if done.returncode != 0:
-            raise FxnxValueError(f"Graphviz's dot failed on {path.name}: {notes.strip()}")
-        if "too large" not in notes:
-            os.replace(tmp, path)
-        return notes
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    done = subprocess.run(
+        ["dot", f"-T{fmt}", f"-Gdpi={dpi}"],
+        input=text.encode(), capture_output=True, check=False, timeout=DOT_TIMEOUT,
+    )
+    notes = done.stderr.decode(errors="replace")
+    if done.returncode != 0:
+        raise FxnxValueError(f"Graphviz's dot failed on {path.name}: {notes.strip()}")
+    if "too large" not in notes:
+        with atomic_write(path) as f:
+            f.write(done.stdout)
+    return notes
