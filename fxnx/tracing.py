@@ -28,6 +28,7 @@ from ._compat import pytree
 from ._routes import ROUTES, as_module, export_route, quiet
 from ._shapes import empty_inputs, shape_source
 from ._shapes import propagate as propagate_shapes
+from ._state import preserved
 from .errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
 
 __all__ = [
@@ -390,7 +391,9 @@ def _trace(
     """Symbolic tracing; with ``leaf_on_failure``, retried with each failing submodule kept whole."""
     leaf_types, leaf_paths = _split_leaf_specs(model, leaf_modules)
     opaque: list[str] = []
-    with _no_new_attributes(model):
+    # torch.fx runs code on buffers as it traces (timm's BatchNormAct2d counts batches with
+    # num_batches_tracked.add_(1)): the model's buffers are restored afterwards.
+    with preserved(model), _no_new_attributes(model):
         while True:
             tracer = _Tracer(leaf_types, leaf_paths | frozenset(opaque))
             try:
