@@ -72,7 +72,7 @@ if TYPE_CHECKING:
         sign_symmetry,
     )
     from .dataflow import convert, graph_from_capture
-    from .tracing import Capture, capture
+    from .tracing import FIXED_KWARGS, TRACING_LOCK, Capture, capture
 
 __all__ = [
     "Attribute",
@@ -80,6 +80,7 @@ __all__ = [
     "CaptureError",
     "CreditResult",
     "EDGE_ATTRIBUTES",
+    "FIXED_KWARGS",
     "FORMAT_VERSION",
     "FxnxError",
     "FxnxTypeError",
@@ -96,6 +97,7 @@ __all__ = [
     "Rule",
     "ShapePropagationError",
     "SkipConnection",
+    "TRACING_LOCK",
     "UnsafePickleError",
     "__version__",
     "atomic_write",
@@ -149,6 +151,8 @@ _LAZY = {
     "convert": "dataflow",
     "graph_from_capture": "dataflow",
     "Capture": "tracing",
+    "FIXED_KWARGS": "tracing",
+    "TRACING_LOCK": "tracing",
     "capture": "tracing",
 }
 

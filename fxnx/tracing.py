@@ -31,15 +31,7 @@ from ._shapes import propagate as propagate_shapes
 from ._state import preserved
 from .errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
 
-__all__ = [
-    "FIXED_KWARGS",
-    "TRACING_LOCK",
-    "Capture",
-    "Inputs",
-    "bind_inputs",
-    "capture",
-    "placeholder_values",
-]
+__all__ = ["Capture", "FIXED_KWARGS", "TRACING_LOCK", "capture"]
 
 LeafSpec = type[nn.Module] | str
 
