@@ -58,12 +58,17 @@ class Inputs:
         tracing's placeholders take.
     fixed : dict
         The keyword inputs fxnx added.
+    defaulted : dict
+        Parameters the caller did not pass, at their defaults. Symbolic tracing
+        fixes them (``if mask is not None`` takes the branch the call takes), so
+        they are not inputs of the graph.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     positional: list[Any]
     fixed: dict[str, Any]
+    defaulted: dict[str, Any] = field(default_factory=dict)
 
 
 #: Held while fxnx traces or runs a model. torch.fx replaces ``torch.nn.Module.__call__`` (and
@@ -298,7 +303,9 @@ def _ladder(
     for route in route_names:
         try:
             if route == "symbolic_trace":
-                gm, opaque = _trace(model, leaf_modules, concrete_args, leaf_on_failure)
+                defaulted = inputs.defaulted if inputs is not None else {}
+                gm, opaque = _trace(model, leaf_modules, {**defaulted, **concrete_args}, leaf_on_failure)
+                _drop_placeholders(gm, defaulted)
                 return gm, route, failures, opaque, None
             if inputs is None:
                 raise CaptureError(f"{route} needs example inputs (or input_shape=) to run the model")
@@ -326,6 +333,30 @@ def _ladder(
         "submodule whole, or concrete_args={...} to fix the values that decide a branch."
     )
     raise CaptureError("\n".join(lines)) from errors[-1]
+
+
+def _drop_placeholders(gm: fx.GraphModule, names: Mapping[str, Any]) -> None:
+    """Remove the placeholders torch.fx keeps for ``concrete_args`` in ``names``, with the
+    checks it adds on them (``_assert_is_none``; ``eq`` then ``_assert``): fixed at their
+    defaults, they are not inputs of the graph."""
+    if not names:
+        return
+    for node in list(gm.graph.nodes):
+        if node.op != "placeholder" or _param_name(node) not in names:
+            continue
+        for check in list(node.users):
+            for assertion in list(check.users):
+                gm.graph.erase_node(assertion)
+            gm.graph.erase_node(check)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _param_name(node: fx.Node) -> str:
+    """The forward parameter a placeholder stands for (torch.fx suffixes ``_1`` to fixed ones)."""
+    name = str(node.target)
+    base, _, suffix = name.rpartition("_")
+    return base if base and suffix.isdigit() else name
 
 
 def _warn_specialised(route: str, specialised: bool) -> None:
@@ -543,15 +574,20 @@ def _bind_inputs(
         if name in sig.parameters and name not in bound.arguments and name not in concrete_args
     }
     bound = sig.bind_partial(*args, **kwargs, **fixed)
+    defaulted = {
+        p.name: p.default for p in sig.parameters.values()
+        if p.name not in bound.arguments and p.name not in concrete_args
+        and p.default is not p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
     bound.apply_defaults()
     values: list[Any] = []
     for param in sig.parameters.values():
         value = concrete_args.get(param.name, bound.arguments.get(param.name))
         if param.kind is param.VAR_POSITIONAL:
             values.extend(value or ())
-        elif param.kind is not param.VAR_KEYWORD:
+        elif param.kind is not param.VAR_KEYWORD and param.name not in defaulted:
             values.append(value)
-    return Inputs(tuple(args), {**kwargs, **fixed}, values, fixed)
+    return Inputs(tuple(args), {**kwargs, **fixed}, values, fixed, defaulted)
 
 
 def bind_inputs(
@@ -587,7 +623,7 @@ def _copied(inputs: Inputs | None) -> Inputs | None:
         return copies[id(t)]
 
     args, kwargs, positional = pytree.tree_map(copy, (inputs.args, inputs.kwargs, inputs.positional))
-    return Inputs(args, kwargs, positional, inputs.fixed)
+    return Inputs(args, kwargs, positional, inputs.fixed, inputs.defaulted)
 
 
 def _qualname(model: Any) -> str:

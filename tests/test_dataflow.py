@@ -96,10 +96,21 @@ def test_zoo_matches_shape_prop(name):
     G, case = _convert_case(name)
     torch.manual_seed(0)
     model = case.build()
-    inputs = case.inputs()
-    if case.kwargs():  # ShapeProp takes positional inputs only
-        inputs = inputs + tuple(case.kwargs().values()) + (2.0,)
+    inputs = case.inputs() + tuple(case.kwargs().values())  # ShapeProp takes positional inputs
+    if name == "multi_input_kwargs":  # scale is not passed: the oracle traces a call without it
+        model = _Calls(model)
     _check_against_shape_prop(G, _shape_prop(model, *inputs))
+
+
+class _Calls(nn.Module):
+    """Calls the model with positional x and y only, so torch.fx traces scale at its default."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return self.model(x, y)
 
 
 def _hook_shapes(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[int, ...]]:
@@ -234,10 +245,36 @@ def test_keyword_inputs_are_bound_to_their_placeholders():
     assert G.graph["inputs"] == [
         {"name": "x", "shape": (2, 4), "dtype": "torch.float32"},
         {"name": "y", "shape": (2, 4), "dtype": "torch.float32"},
-        {"name": "scale", "shape": None, "dtype": None},
     ]
-    assert G.nodes["scale"]["out_type"] == "float"
-    assert G.nodes["scale"]["node_call_info"] == {"default": 2.0}
+    assert G.nodes["mul"]["node_call_info"] == {"a": "x", "b": 2.0}  # scale at its default
+
+
+class _OptionalMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, mask=None, scale=2.0):
+        h = self.lin(x)
+        if mask is not None:
+            h = h * mask
+        return h * scale
+
+
+def test_inputs_not_passed_stay_at_their_defaults_and_are_not_placeholders():
+    """Symbolic tracing took `mask is not None` on a placeholder as true, then failed on None."""
+    model, x = _OptionalMask(), torch.randn(2, 3)
+    G = fxnx.convert(model, x)
+    assert [n for n, op in G.nodes(data="op") if op == "placeholder"] == ["x"]
+    assert not any("assert" in str(t) for _, t in G.nodes(data="target"))
+    assert G.nodes["output"]["out_shape"] is not None
+    mask = torch.rand(2, 3)
+    with_mask = fxnx.convert(model, x, mask)
+    assert [n for n, op in with_mask.nodes(data="op") if op == "placeholder"] == ["x", "mask"]
+    res = fxnx.route_credit(G, model, x)
+    x_ = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(model(x_).sum(), x_)
+    assert torch.allclose(res.node_credit["x"], want, rtol=0, atol=1e-6)
 
 
 # --- without example inputs -------------------------------------------------------------------

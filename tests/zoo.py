@@ -219,11 +219,11 @@ CASES: dict[str, Case] = {
     "multi_input_kwargs": Case(
         MultiInput,
         lambda: (torch.randn(2, 4),),
+        # scale is not passed: it stays at its default, a constant of the graph, not an input
         [("x", "placeholder", "x"), ("y", "placeholder", "y"),
-         ("scale", "placeholder", "scale"), ("mul", "call_function", "operator.mul"),
+         ("mul", "call_function", "operator.mul"),
          ("add", "call_function", "operator.add"), ("output", "output", "output")],
-        [("x", "mul", 0, 0), ("scale", "mul", 0, 1), ("mul", "add", 0, 0), ("y", "add", 0, 1),
-         ("add", "output", 0, 0)],
+        [("x", "mul", 0, 0), ("mul", "add", 0, 0), ("y", "add", 0, 1), ("add", "output", 0, 0)],
         kwargs=lambda: {"y": torch.randn(2, 4)},
     ),
     "functional_and_methods": Case(
