@@ -692,3 +692,22 @@ def test_a_changed_structure_is_captured_again(monkeypatch):
     assert counter.calls == 3
     want_x, _ = _input_and_weight_credit(model, x5, "lin.weight")
     assert _rel(res.node_credit["x"], want_x) <= 1e-12
+
+
+@pytest.mark.parametrize("leaf", ["act", nn.Tanh], ids=["name", "class"])
+def test_a_single_leaf_module_spec_is_not_split_into_characters(leaf):
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.act = nn.Tanh()
+
+        def forward(self, x):
+            return self.act(self.lin(x))
+
+    model, x = Block().double(), torch.randn(2, 3, dtype=torch.float64)
+    G = fxnx.convert(model, x, leaf_modules=leaf)
+    res = fxnx.route_credit(G, model, x, leaf_modules=leaf)
+    x_ = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(model(x_).sum(), x_)
+    assert _rel(res.node_credit["x"], want) <= 1e-12
