@@ -167,14 +167,21 @@ def _input_leaf(value: torch.Tensor, joint: bool) -> torch.Tensor:
 def _leaf_names(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
     """``forward``'s parameter name with the path into it, for each pytree leaf of the inputs."""
     forward = model.fn if isinstance(model, FunctionModule) else model.forward
-    names = [p.name for p in inspect.signature(forward).parameters.values()]
+    params = list(inspect.signature(forward).parameters.values())
+    starred = next((i for i, p in enumerate(params) if p.kind is p.VAR_POSITIONAL), None)
+    names = [p.name for p in params[:starred]]
     out = []
     for path, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
         if path[0].idx == 1:  # a keyword input: its key names it
             out.append(str(path[1].key) + pytree.keystr(path[2:]))
             continue
         index = path[1].idx
-        head = names[index] if index < len(names) else f"input{index}"
+        if index < len(names):
+            head = names[index]
+        elif starred is not None:  # the values of *args
+            head = f"{params[starred].name}[{index - starred}]"
+        else:
+            head = f"input{index}"
         out.append(head + pytree.keystr(path[2:]))
     return out
 

@@ -2,9 +2,13 @@
 
 Capturing a model (tracing it, or running ``torch.export``) costs far more than
 one forward pass, and a training loop routes credit thousands of times over
-one model. :func:`recapture` keeps the captured graph per model, keyed by
-everything it depends on: the capture options, the model's structure (module
-classes, training modes, parameter and buffer names, shapes and dtypes) and
+one model. :func:`recapture` keeps the captured graph on the graph object ``G``
+itself, outside its data (``vars(G)``, never ``G.graph``: files do not hold
+it, and it lives exactly as long as ``G`` does, with no global table that
+could keep a model alive), keyed by
+everything it depends on: the model, the capture options, the model's
+structure (module classes and identities, training modes, the modules' own
+plain attributes, parameter and buffer names, shapes, dtypes and devices) and
 the inputs' structure (shapes and dtypes of tensors, other values as they
 are). Parameter *values* may change between calls, as an optimizer changes
 them in place; the graph reads them from the model's own modules and
@@ -15,10 +19,10 @@ is captured again.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import networkx as nx
 import torch
 from torch import nn
 
@@ -27,46 +31,73 @@ from .tracing import Capture, bind_inputs, capture, placeholder_values
 
 __all__ = ["recapture"]
 
-_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, Capture]] = weakref.WeakKeyDictionary()
-#: Graphs kept per model (different input shapes or options); the oldest goes first.
-_PER_MODEL = 4
+#: Where on ``G`` (as a Python attribute, not graph data) the captures are kept.
+_SLOT = "_fxnx_captures"
+#: Captures kept per graph (other models, input shapes or options); the oldest goes first.
+_PER_GRAPH = 4
 
 
 def recapture(
+    G: nx.MultiDiGraph,
     model: nn.Module | Callable[..., Any],
     args: Sequence[Any],
     kwargs: Mapping[str, Any] | None,
     **options: Any,
 ) -> Capture:
-    """:func:`fxnx.tracing.capture` with ``propagate=False``, reusing an earlier capture of
-    the same model with the same structure, inputs and options."""
+    """:func:`fxnx.tracing.capture` with ``propagate=False``, reusing an earlier capture
+    for ``G`` of the same model with the same structure, inputs and options."""
     if not isinstance(model, nn.Module):
         return capture(model, args, kwargs, propagate=False, **options)
     # A symbolic trace holds for any shape; torch.export and make_fx specialise to the example's.
     shapes = options.get("routes") != "symbolic_trace"
-    key = (_options_key(options), _structure(model), _inputs_key(args, kwargs, shapes))
-    kept = _CACHE.setdefault(model, {})
+    key = (id(model), _options_key(options), _structure(model), _inputs_key(args, kwargs, shapes))
+    kept = vars(G).get(_SLOT)
+    if type(kept) is not _Captures:  # first use, or a graph unpickled with an empty dict
+        kept = vars(G)[_SLOT] = _Captures()
     cached = kept.get(key)
     if cached is None:
         cap = capture(model, args, kwargs, propagate=False, **options)
         # The entry must not hold the model itself, or the weak key would never be freed.
         kept[key] = Capture(**{**vars(cap), "model": None, "inputs": None})  # type: ignore[arg-type]
-        while len(kept) > _PER_MODEL:
+        while len(kept) > _PER_GRAPH:
             del kept[next(iter(kept))]
         return cap
     inputs = bind_inputs(model, args, kwargs, options.get("concrete_args"))
-    values = placeholder_values(inputs, cached.method)
+    values = placeholder_values(inputs, cached.method, cached.gm)
     return Capture(**{**vars(cached), "model": model, "inputs": values})
+
+
+class _Captures(dict):  # type: ignore[type-arg]
+    """The captures kept on a graph: a copy or a pickle of the graph starts without them (a
+    pickle holds an empty plain dict, so it loads without fxnx or torch)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, ()
+
+    def __deepcopy__(self, memo: Any) -> _Captures:
+        return _Captures()
 
 
 def _structure(model: nn.Module) -> tuple[Any, ...]:
     """What a captured graph of ``model`` depends on, besides the inputs."""
     # Identities too: a graph calls the very modules and reads the very parameters it was
     # captured with (the cached graph keeps them alive, so their ids are not reused).
+    # Plain attributes too: symbolic tracing bakes `self.scale` into the graph as a constant.
     return (
-        tuple((path, id(m), type(m), m.training) for path, m in model.named_modules()),
-        tuple((n, id(p), p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()),
-        tuple((n, id(b), b.shape, b.dtype) for n, b in model.named_buffers()),
+        tuple((path, id(m), type(m), _attributes(m)) for path, m in model.named_modules()),
+        tuple((n, id(p), p.shape, p.dtype, p.device, p.requires_grad)
+              for n, p in model.named_parameters()),
+        tuple((n, id(b), b.shape, b.dtype, b.device) for n, b in model.named_buffers()),
+    )
+
+
+def _attributes(module: nn.Module) -> tuple[Any, ...]:
+    """A module's own public attributes (``training``, ``scale``, a patched ``forward``):
+    plain values as they are, anything else by identity."""
+    return tuple(
+        (name, value if value is None or type(value) in (bool, int, float, str) else id(value))
+        for name, value in vars(module).items()
+        if not name.startswith("_")
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import os
 import threading
 import traceback
@@ -53,9 +54,9 @@ class Inputs:
     args, kwargs
         As the caller gave them (keywords stay keywords), plus :data:`FIXED_KWARGS`
         that apply. ``torch.export`` and ``make_fx`` take these.
-    positional : list
-        One value per ``forward`` parameter, defaults filled in: what symbolic
-        tracing's placeholders take.
+    arguments : dict
+        Every ``forward`` parameter's value, defaults filled in (a ``*args``
+        parameter holds a tuple): what symbolic tracing's placeholders take.
     fixed : dict
         The keyword inputs fxnx added.
     defaulted : dict
@@ -66,7 +67,7 @@ class Inputs:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    positional: list[Any]
+    arguments: dict[str, Any]
     fixed: dict[str, Any]
     defaulted: dict[str, Any] = field(default_factory=dict)
 
@@ -257,7 +258,7 @@ def _capture(
             model, inputs, route_names, leaf_modules, dict(concrete_args or {}), leaf_on_failure,
             fake,
         )
-    values = placeholder_values(inputs, method)
+    values = placeholder_values(inputs, method, gm)
     run = aten is not None or (propagate and values is not None)  # make_fx recorded every shape
     if run and aten is None:
         propagate_shapes(gm, model, values, fake)
@@ -304,8 +305,9 @@ def _ladder(
         try:
             if route == "symbolic_trace":
                 defaulted = inputs.defaulted if inputs is not None else {}
-                gm, opaque = _trace(model, leaf_modules, {**defaulted, **concrete_args}, leaf_on_failure)
-                _drop_placeholders(gm, defaulted)
+                gm, opaque = _trace_at_defaults(
+                    model, leaf_modules, concrete_args, leaf_on_failure, defaulted
+                )
                 return gm, route, failures, opaque, None
             if inputs is None:
                 raise CaptureError(f"{route} needs example inputs (or input_shape=) to run the model")
@@ -335,16 +337,15 @@ def _ladder(
     raise CaptureError("\n".join(lines)) from errors[-1]
 
 
-def _drop_placeholders(gm: fx.GraphModule, names: Mapping[str, Any]) -> None:
-    """Remove the placeholders torch.fx keeps for ``concrete_args`` in ``names``, with the
-    checks it adds on them (``_assert_is_none``; ``eq`` then ``_assert``): fixed at their
-    defaults, they are not inputs of the graph."""
-    if not names:
-        return
-    for node in list(gm.graph.nodes):
-        if node.op != "placeholder" or _param_name(node) not in names:
+def _drop_placeholders(gm: fx.GraphModule) -> None:
+    """Remove the placeholders torch.fx keeps for fixed ``concrete_args``, with the checks it
+    adds on them (``_assert_is_none``; ``eq`` then ``_assert``): they are not inputs of the
+    graph. A placeholder is one of them when checks are all it feeds."""
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
+        checks = list(node.users)
+        if not checks or not all(_is_fx_check(user) for user in checks):
             continue
-        for check in list(node.users):
+        for check in checks:
             for assertion in list(check.users):
                 gm.graph.erase_node(assertion)
             gm.graph.erase_node(check)
@@ -352,11 +353,15 @@ def _drop_placeholders(gm: fx.GraphModule, names: Mapping[str, Any]) -> None:
     gm.recompile()
 
 
-def _param_name(node: fx.Node) -> str:
-    """The forward parameter a placeholder stands for (torch.fx suffixes ``_1`` to fixed ones)."""
-    name = str(node.target)
-    base, _, suffix = name.rpartition("_")
-    return base if base and suffix.isdigit() else name
+def _is_fx_check(node: fx.Node) -> bool:
+    """Whether ``node`` is a check torch.fx adds on a fixed concrete argument."""
+    name = getattr(node.target, "__name__", "")
+    if name == "_assert_is_none":
+        return not node.users
+    return (
+        node.target is operator.eq and bool(node.users)
+        and all(getattr(u.target, "__name__", "") == "_assert" and not u.users for u in node.users)
+    )
 
 
 def _warn_specialised(route: str, specialised: bool) -> None:
@@ -429,8 +434,35 @@ def _trace(
                     raise CaptureError(_explain_trace_failure(model, tracer, err)) from err
                 opaque.append(failing)
         name = type(model).__name__ if isinstance(model, nn.Module) else model.__name__
-        return fx.GraphModule(tracer.root, graph, name), opaque
+        try:
+            return fx.GraphModule(tracer.root, graph, name), opaque
+        except Exception as err:  # torch.fx traced something it cannot turn into code
+            raise CaptureError(
+                f"torch.fx traced {name} but could not compile the graph: "
+                f"{type(err).__name__}: {first_line(err)}"
+            ) from err
 
+
+def _trace_at_defaults(
+    model: nn.Module | Callable[..., Any],
+    leaf_modules: Iterable[LeafSpec],
+    concrete_args: dict[str, Any],
+    leaf_on_failure: bool,
+    defaulted: Mapping[str, Any],
+) -> tuple[fx.GraphModule, list[str]]:
+    """Symbolic tracing with the inputs the call does not pass fixed at their defaults.
+
+    Only plain defaults (None, bool, int, float, str) are fixed; others stay
+    inputs of the graph, at their default values. Where torch.fx cannot fix
+    them (a parameter name it would clash with), symbolic tracing fails and the
+    ladder goes on: traced with them as placeholders, ``if mask is not None``
+    would take the wrong branch.
+    """
+    fixed = {k: v for k, v in defaulted.items() if v is None or type(v) in (bool, int, float, str)}
+    gm, opaque = _trace(model, leaf_modules, {**fixed, **concrete_args}, leaf_on_failure)
+    if fixed:
+        _drop_placeholders(gm)
+    return gm, opaque
 
 @contextlib.contextmanager
 def _no_new_attributes(model: Any) -> Iterator[None]:
@@ -580,14 +612,10 @@ def _bind_inputs(
         and p.default is not p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
     bound.apply_defaults()
-    values: list[Any] = []
-    for param in sig.parameters.values():
-        value = concrete_args.get(param.name, bound.arguments.get(param.name))
-        if param.kind is param.VAR_POSITIONAL:
-            values.extend(value or ())
-        elif param.kind is not param.VAR_KEYWORD and param.name not in defaulted:
-            values.append(value)
-    return Inputs(tuple(args), {**kwargs, **fixed}, values, fixed, defaulted)
+    arguments = {
+        name: concrete_args.get(name, bound.arguments.get(name)) for name in sig.parameters
+    }
+    return Inputs(tuple(args), {**kwargs, **fixed}, arguments, fixed, defaulted)
 
 
 def bind_inputs(
@@ -600,13 +628,26 @@ def bind_inputs(
     return _copied(_bind_inputs(model, args, dict(kwargs or {}), concrete_args or {}))
 
 
-def placeholder_values(inputs: Inputs | None, method: str) -> list[Any] | None:
-    """One value per placeholder of a graph captured by ``method``."""
+def placeholder_values(inputs: Inputs | None, method: str, gm: fx.GraphModule) -> list[Any] | None:
+    """The values to run ``gm`` (captured by ``method``) on, as torch.fx's Interpreter takes them:
+    one per placeholder, the values of a ``*args`` placeholder spread at the end."""
     if inputs is None:
         return None
-    if method in ("symbolic_trace", "graph_module"):
-        return inputs.positional
-    return pytree.tree_leaves((inputs.args, inputs.kwargs))
+    if method not in ("symbolic_trace", "graph_module"):
+        return pytree.tree_leaves((inputs.args, inputs.kwargs))
+    values: list[Any] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or str(node.target).startswith("**"):
+            continue
+        name = str(node.target).lstrip("*")
+        if name not in inputs.arguments:  # torch.fx names a concrete argument's placeholder x_1
+            name = name.rpartition("_")[0]
+        value = inputs.arguments.get(name, node.args[0] if node.args else None)
+        if str(node.target).startswith("*"):
+            values.extend(value or ())
+        else:
+            values.append(value)
+    return values
 
 
 def _copied(inputs: Inputs | None) -> Inputs | None:
@@ -622,8 +663,8 @@ def _copied(inputs: Inputs | None) -> Inputs | None:
             copies[id(t)] = t.clone()
         return copies[id(t)]
 
-    args, kwargs, positional = pytree.tree_map(copy, (inputs.args, inputs.kwargs, inputs.positional))
-    return Inputs(args, kwargs, positional, inputs.fixed, inputs.defaulted)
+    args, kwargs, arguments = pytree.tree_map(copy, (inputs.args, inputs.kwargs, inputs.arguments))
+    return Inputs(args, kwargs, arguments, inputs.fixed, inputs.defaulted)
 
 
 def _qualname(model: Any) -> str:

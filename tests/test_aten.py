@@ -234,3 +234,12 @@ def test_a_plain_function_keeps_its_argument_names():
     G = fxnx.convert(lambda x, scale: (x * scale).sin(), torch.randn(3), torch.randn(3), level="joint")
     assert [p["name"] for p in G.graph["primals"].values()] == ["x", "scale"]
     assert set(G.graph["gradients"]) == {"x", "scale"}
+
+
+def test_varargs_inputs_are_named_by_their_position_in_args():
+    class Summed(torch.nn.Module):
+        def forward(self, x, *args, scale=1.0):
+            return x * scale + sum(args)
+
+    G = fxnx.convert(Summed(), torch.randn(2), torch.randn(2), torch.randn(2), level="aten")
+    assert [p["name"] for p in G.graph["primals"].values()] == ["x", "args[0]", "args[1]"]

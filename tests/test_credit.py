@@ -711,3 +711,64 @@ def test_a_single_leaf_module_spec_is_not_split_into_characters(leaf):
     x_ = x.clone().requires_grad_()
     (want,) = torch.autograd.grad(model(x_).sum(), x_)
     assert _rel(res.node_credit["x"], want) <= 1e-12
+
+
+def test_a_changed_plain_attribute_is_captured_again():
+    """Symbolic tracing bakes `self.scale` into the graph: changing it must not reuse the graph."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    model, x = Scaled().double(), torch.randn(2, 3, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    fxnx.route_credit(G, model, x)
+    model.scale = 5.0
+    res = fxnx.route_credit(G, model, x)
+    want_x, _ = _input_and_weight_credit(model, x, "lin.weight")
+    assert _rel(res.node_credit["x"], want_x) <= 1e-12
+
+
+def test_the_capture_cache_keeps_no_model_alive():
+    import gc
+    import weakref
+
+    class Child(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = Child()
+            self.child.__dict__["parent"] = self  # a back-reference, as some codebases keep
+
+        def forward(self, x):
+            return self.child(x) + 1
+
+    model, x = Parent(), torch.randn(2, 3)
+    G = fxnx.convert(model, x, leaf_modules=[Child])
+    fxnx.route_credit(G, model, x, leaf_modules=[Child])
+    ref = weakref.ref(model)
+    del model, G
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_kept_capture_stays_out_of_copies_and_pickles():
+    import pickle
+
+    model, x = CASES["skip_block"].build(), torch.randn(2, 4)
+    G = fxnx.convert(model, x)
+    fxnx.route_credit(G, model, x)
+    plain = pickle.dumps(G)  # what a user's own pickle.dump writes
+    assert b"fxnx._reuse" not in plain and b"GraphModule" not in plain and b"torch.fx" not in plain
+    H = pickle.loads(plain)
+    assert nx.utils.graphs_equal(G, H) and nx.utils.graphs_equal(G, copy.deepcopy(G))
+    res = fxnx.route_credit(H, model, x)  # an unpickled graph routes as well
+    assert res.node_credit["x"] is not None

@@ -408,3 +408,40 @@ def test_converting_leaves_the_garbage_collector_as_it_was():
         assert not gc.isenabled()  # a caller who turned it off keeps it off
     finally:
         gc.enable()
+
+
+class _Named(nn.Module):
+    def forward(self, h_2, h=None):  # h_2 is a real input whose name looks like torch.fx's h_1
+        return h_2.sin() if h is None else h_2 + h
+
+
+class _ContainerDefault(nn.Module):
+    def forward(self, x, dims=(1, 0), y=None):
+        return x.permute(dims).sin() if y is None else x + y
+
+
+class _Starred(nn.Module):
+    def forward(self, x, *args, scale=2.0, **kw):
+        return x * scale + sum(args) if args else x * scale
+
+
+class _Clash(nn.Module):
+    def forward(self, mask_1, mask=None):  # torch.fx would name the fixed mask mask_1 too
+        return mask_1 * 2 if mask is None else mask_1
+
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [(_Named(), ()), (_ContainerDefault(), ()), (_Starred(), ()), (_Starred(), (1,)), (_Clash(), ())],
+    ids=["name like h_1", "tuple default", "*args none", "*args one", "name clash"],
+)
+def test_forward_signatures_convert_and_route_like_the_eager_model(model, extra):
+    x = torch.randn(3, 3, dtype=torch.float64)
+    extra = tuple(torch.full((3, 3), float(e), dtype=torch.float64) for e in extra)
+    G = fxnx.convert(model, x, *extra)
+    name = G.graph["inputs"][0]["name"]
+    assert G.nodes[name]["out_shape"] == (3, 3)
+    res = fxnx.route_credit(G, model, x, *extra)
+    x_ = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(model(x_, *extra).sum(), x_)
+    assert torch.allclose(res.node_credit[name], want, rtol=0, atol=1e-12)

@@ -191,8 +191,14 @@ def record(
     feed = iter(inputs)
     output = None
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = next(feed)
+        if node.op == "placeholder":  # as torch.fx's Interpreter feeds them
+            target = str(node.target)
+            if target.startswith("**"):
+                env[node] = {}
+            elif target.startswith("*"):
+                env[node] = tuple(feed)
+            else:
+                env[node] = next(feed, node.args[0] if node.args else None)
             continue
         if node.op == "get_attr":
             env[node] = fetch_attr(gm, node.target)  # type: ignore[arg-type]

@@ -156,7 +156,7 @@ def route_credit(
             "level='module' (symbolic_trace, export or draft_export)"
         )
     cap = recapture(  # the capture behind G, reused while model and inputs keep their structure
-        model, inputs, kwargs, concrete_args=concrete_args,
+        G, model, inputs, kwargs, concrete_args=concrete_args,
         leaf_modules=leaf_modules if isinstance(leaf_modules, (str, type)) else tuple(leaf_modules),
         routes=route if route in ROUTES else "auto",
         leaf_on_failure=bool(G.graph.get("opaque_modules")),
