@@ -92,12 +92,18 @@ def _structure(model: nn.Module) -> tuple[Any, ...]:
 
 
 def _attributes(module: nn.Module) -> tuple[Any, ...]:
-    """A module's own public attributes (``training``, ``scale``, a patched ``forward``):
-    plain values as they are, anything else by identity."""
+    """A module's own public attributes that a trace bakes in: plain values (``training``,
+    ``scale``) as they are, tensors and functions (a patched ``forward``) by identity.
+
+    Other objects (configs, dicts a model rebuilds on every call, as transformers does
+    with ``all_tied_weights_keys``) are left out: by identity they would never match.
+    """
     return tuple(
         (name, value if value is None or type(value) in (bool, int, float, str) else id(value))
         for name, value in vars(module).items()
         if not name.startswith("_")
+        and (value is None or type(value) in (bool, int, float, str)
+             or isinstance(value, torch.Tensor) or callable(value))
     )
 
 

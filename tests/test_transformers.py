@@ -89,3 +89,17 @@ def test_converts_with_defaults_and_routes_exact_credit(name):
 def test_attention_and_mlp_residuals_are_found(name):
     model, args, kwargs = _model_and_inputs(name)
     assert len(fxnx.skip_connections(fxnx.convert(model, *args, kwargs=kwargs))) == SKIPS[name]
+
+
+def test_repeated_credit_runs_capture_once(monkeypatch):
+    """transformers rebuilds some attributes on every call; they must not defeat the reuse."""
+    from fxnx import _reuse
+
+    model, args, kwargs = _model_and_inputs("bert")
+    G = fxnx.convert(model, *args, kwargs=kwargs)
+    calls = []
+    real = _reuse.capture
+    monkeypatch.setattr(_reuse, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for _ in range(3):
+        fxnx.route_credit(G, model, *args, kwargs=kwargs)
+    assert len(calls) == 1
