@@ -122,7 +122,6 @@ def _scan(data: bytes) -> None:
     stack: list[str] = []
     marks: list[int] = []
     memo: list[str] = []
-    push, remember = stack.append, memo.append
     i, end = 0, len(data)
     while i < end:
         op = data[i]
@@ -133,23 +132,23 @@ def _scan(data: bytes) -> None:
             index = int.from_bytes(data[i : i + 4], "little")
             if index >= len(memo):
                 raise GraphFileError(f"byte {i - 1}: memo entry {index} does not exist")
-            push(memo[index])
+            stack.append(memo[index])
             i += 4
         elif op == 0x94 and stack:  # MEMOIZE
-            remember(stack[-1])
+            memo.append(stack[-1])
         elif op == 0x4B and i < end:  # BININT1
-            push("i")
+            stack.append("i")
             i += 1
         elif op == 0x8C and i < end:  # SHORT_BINUNICODE
             i += 1 + data[i]
             if i > end:
                 break
-            push("s")
+            stack.append("s")
         elif op == 0x7D:  # EMPTY_DICT
-            push("d")
+            stack.append("d")
         elif op in _NO_ARG:
-            if op == 0x94:  # MEMOIZE
-                memo.append(stack[-1])
+            if op == 0x94:  # MEMOIZE with nothing to remember (the fast path takes the rest)
+                raise GraphFileError(f"byte {i - 1}: MEMOIZE on an empty stack")
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
             elif op == 0x73:  # SETITEM
@@ -168,8 +167,8 @@ def _scan(data: bytes) -> None:
                     raise UnsafePickleError(f"byte {i - 1}: SETITEMS with a non-scalar key or on a non-dict")
                 elif op == 0x65 and stack[-1] != "l":
                     raise UnsafePickleError(f"byte {i - 1}: APPENDS on a non-list")
-            elif op in (0x7D, 0x5D, 0x29):  # EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE
-                stack.append({0x7D: "d", 0x5D: "l", 0x29: "t"}[op])
+            elif op in (0x5D, 0x29):  # EMPTY_LIST, EMPTY_TUPLE (EMPTY_DICT: the fast path)
+                stack.append("l" if op == 0x5D else "t")
             elif op in (0x85, 0x86, 0x87):  # TUPLE1-3
                 del stack[len(stack) - (op - 0x84) :]
                 stack.append("t")
