@@ -32,7 +32,6 @@ __all__ = [
 MAX_INPUT_ELEMENTS = 2**30
 #: The highest ``--dpi``: the one fxnx.draw accepts.
 MAX_DPI = _render.MAX_DPI
-_DRAWING_SUFFIXES = (".png", ".svg", ".pdf", ".dot", ".gv")
 
 
 def shape(text: str) -> tuple[int, ...]:
@@ -182,7 +181,7 @@ def drawing(text: str) -> Path:
 file name
     """
     path = writable(text)
-    if path.suffix.lower() not in _DRAWING_SUFFIXES:
+    if path.suffix.lower().lstrip(".") not in _render.FORMATS:
         raise argparse.ArgumentTypeError(
             f"cannot draw to {path.name!r}: give a .png, .svg, .pdf or .dot file name"
         )

@@ -46,6 +46,8 @@ MAX_PIXELS = 32767
 PNG_WORK, PNG_AREA = 2000, 1000.0
 #: The ``dpi`` accepted: Graphviz's 96 by default, 300 to 600 for print.
 MAX_DPI = 1200
+#: The file suffixes draw writes: images through Graphviz, or DOT text.
+FORMATS = ("png", "svg", "pdf", "dot", "gv")
 #: Seconds one dot run may take before draw() gives up and names a depth that will work.
 DOT_TIMEOUT = 120.0
 #: The DOT id of the legend node (a name no fx node has: it holds a space).
@@ -203,7 +205,7 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     """
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
-    if fmt not in ("png", "svg", "pdf", "dot", "gv"):
+    if fmt not in FORMATS:
         raise FxnxValueError(
             f"cannot draw to {path.name!r}: give a .png, .svg, .pdf or .dot file name"
         )
