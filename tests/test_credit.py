@@ -370,7 +370,7 @@ def test_random_feedback_differs_and_is_reproducible():
 def test_sign_symmetry_transports_through_sign_w():
     model = _mlp()
     x = torch.randn(4, 5, dtype=torch.float64)
-    res = fxnx.route_credit(fxnx.convert(model, x), model, x, rule="sign_symmetry")
+    res = fxnx.route_credit(fxnx.convert(model, x), model, x, rule="usf")
     expected = torch.ones(4, 3, dtype=torch.float64) @ model[2].weight.sign()
     assert torch.equal(res.node_credit["_1"], expected)
 
@@ -419,7 +419,7 @@ def test_user_rule_by_node_name_is_the_one_called():
     assert torch.equal(res.node_credit["_1"], exact.node_credit["_1"])
 
 
-def test_user_rule_by_kind_and_registered_preset():
+def test_user_rule_by_kind_and_a_preset_of_ones_own():
     model = _mlp()
     x = torch.randn(4, 5, dtype=torch.float64)
     G = fxnx.convert(model, x)
@@ -429,12 +429,9 @@ def test_user_rule_by_kind_and_registered_preset():
 
     res = fxnx.route_credit(G, model, x, rules={nn.Tanh: block})
     assert res.node_credit["_0"] is None and res.rules["_1"] == "block"
-    fxnx.register_rule("block_tanh", nn.Tanh)(block)
-    try:
-        res = fxnx.route_credit(G, model, x, rule="block_tanh")
-        assert res.node_credit["_0"] is None and res.rules["_1"] == "block_tanh"
-    finally:
-        del fxnx.PRESETS["block_tanh"]
+    res = fxnx.route_credit(G, model, x, rule=fxnx.Preset("block_tanh", {nn.Tanh: block}))
+    assert res.node_credit["_0"] is None and res.rules["_1"] == "block"
+    assert res.rule == "block_tanh" and G.graph["credit_rule"] == "block_tanh"
 
 
 def test_a_preset_that_applies_nowhere_says_so():

@@ -1,31 +1,34 @@
-"""Credit routing: the router, the recorded forward pass, the rule registry, comparisons."""
+"""Credit routing: rules, presets, the router that trains with them, one-shot analysis."""
 
 from .compare import credit_alignment
+from .engine import CreditRouter
+from .presets import PRESETS, Preset, method
 from .record import NodeCall
-from .router import CreditResult, credit_norm, route_credit
+from .result import CreditResult, credit_norm
+from .router import route_credit
 from .rules import (
-    PRESETS,
+    DirectFeedbackAlignment,
+    Exact,
+    FeedbackAlignment,
     RoutingState,
     Rule,
-    exact,
-    feedback_alignment,
-    method,
-    register_rule,
-    sign_symmetry,
+    SignSymmetry,
 )
 
 __all__ = [
     "CreditResult",
+    "CreditRouter",
+    "DirectFeedbackAlignment",
+    "Exact",
+    "FeedbackAlignment",
     "NodeCall",
     "PRESETS",
+    "Preset",
     "RoutingState",
     "Rule",
+    "SignSymmetry",
     "credit_alignment",
     "credit_norm",
-    "exact",
-    "feedback_alignment",
     "method",
-    "register_rule",
     "route_credit",
-    "sign_symmetry",
 ]

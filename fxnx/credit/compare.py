@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .._compat import pytree
-from .router import CreditResult
+from .result import CreditResult
 
 __all__ = ["credit_alignment"]
 

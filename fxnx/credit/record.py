@@ -1,4 +1,4 @@
-"""One forward pass that gives every node its own small autograd graph.
+"""What one node did in a recorded forward pass, and how a node is run there.
 
 Each node runs on *fresh leaf tensors*, one per occurrence of an input in its
 arguments (``x * x`` gets two), detached from the nodes that produced them.
@@ -12,7 +12,7 @@ the NetworkX graph rather than torch's autograd graph, at the cost of one
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +20,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .._callinfo import bind_call, fetch_attr, occurrences
 from .._compat import pytree
-from .._shapes import node_failure
 
-__all__ = ["NodeCall", "record"]
+__all__ = ["NodeCall", "run_node"]
 
 #: Credit for one input occurrence or one output: a tensor, None (no credit), or a tuple/list
 #: of those for nodes that take or produce several tensors.
@@ -52,8 +50,11 @@ class NodeCall:
     params : dict
         Qualified parameter name to parameter, for parameters the node's module owns.
     wanted : list of bool
-        Which input occurrences are edges of the graph being routed; a rule may
-        skip the others (their credit is discarded).
+        Which input occurrences need credit: edges of the graph being routed
+        (and, when training, leading to a trainable parameter); a rule may skip
+        the others (their credit is discarded).
+    args, kwargs : tuple, dict
+        The arguments the node was called with, ``inputs`` in their places.
     """
 
     name: str
@@ -66,6 +67,8 @@ class NodeCall:
     output: Any
     params: dict[str, Tensor]
     wanted: list[bool] = field(default_factory=list)
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     def exact(
         self, credit: Credit, *, inputs: bool = True, params: bool = True, retain_graph: bool = False
@@ -136,7 +139,7 @@ def _pairs(output: Any, credit: Credit) -> tuple[list[Tensor], list[Tensor]]:
     return outs, grads
 
 
-def _leaf(value: Any) -> Any:
+def fresh_leaf(value: Any) -> Any:
     """A fresh leaf for each floating-point tensor in ``value``; other values pass through."""
 
     def one(t: Any) -> Any:
@@ -145,6 +148,11 @@ def _leaf(value: Any) -> Any:
         return t
 
     return pytree.tree_map(one, value)
+
+
+def detached(value: Any) -> Any:
+    """``value`` with its tensors cut from the graph that made them (no credit flows in)."""
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) and t.requires_grad else t, value)
 
 
 def _clone_tensors(value: Any) -> Any:
@@ -164,94 +172,7 @@ def _out_of_place(module: nn.Module | None) -> Iterator[None]:
         module.inplace = True  # type: ignore[assignment]
 
 
-def record(
-    gm: fx.GraphModule, inputs: Sequence[Any], param_names: dict[int, str]
-) -> tuple[dict[str, NodeCall], dict[str, Any], Any]:
-    """Run ``gm`` once on ``inputs``, recording a :class:`NodeCall` per computing node.
-
-    Parameters
-    ----------
-    gm : fx.GraphModule
-    inputs : sequence
-        One value per placeholder, in order.
-    param_names : dict
-        ``id(parameter)`` to its qualified name in the user's model.
-
-    Returns
-    -------
-    calls : dict
-        Node name to NodeCall, for every node but placeholders and get_attr.
-    values : dict
-        Node name to the value of each placeholder and get_attr node (credit ends there).
-    output : Any
-        The model's output.
-    """
-    env: dict[fx.Node, Any] = {}
-    calls: dict[str, NodeCall] = {}
-    feed = iter(inputs)
-    output = None
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":  # as torch.fx's Interpreter feeds them
-            target = str(node.target)
-            if target.startswith("**"):
-                env[node] = {}
-            elif target.startswith("*"):
-                env[node] = tuple(feed)
-            else:
-                env[node] = next(feed, node.args[0] if node.args else None)
-            continue
-        if node.op == "get_attr":
-            env[node] = fetch_attr(gm, node.target)  # type: ignore[arg-type]
-            continue
-        leaves: list[Any] = []
-
-        def substitute(n: fx.Node, leaves: list[Any] = leaves) -> Any:
-            value = env[n]
-            # Buffers and tensor constants (BatchNorm's running stats) are constants, not leaves:
-            # credit never flows into them, and ops such as native_batch_norm refuse to
-            # differentiate them.
-            constant = n.op == "get_attr" and not isinstance(value, nn.Parameter)
-            leaf = value if constant else _leaf(value)
-            leaves.append(leaf)
-            return leaf
-
-        args = fx.node.map_arg(node.args, substitute)
-        kwargs = fx.node.map_arg(node.kwargs, substitute)
-        module = gm.get_submodule(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
-        if node.op == "output":
-            out = args[0]
-            output = pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
-        else:
-            try:
-                out = _run(node, module, args, kwargs)
-            except Exception as err:
-                raise node_failure("the credit run's forward pass", node, args, kwargs, err) from err
-        env[node] = out
-        _, names = bind_call(node, gm)
-        occ = list(occurrences(node, names))
-        params = {}
-        if module is not None:
-            params = {
-                param_names.get(id(p), f"{node.target}.{n}"): p
-                for n, p in module.named_parameters()
-                if p.requires_grad
-            }
-        calls[node.name] = NodeCall(
-            name=node.name,
-            op=node.op,
-            target=node.target,
-            module=module,
-            sources=[src.name for _, src in occ],
-            labels=[label for label, _ in occ],
-            inputs=leaves,
-            output=out,
-            params=params,
-        )
-    values = {node.name: value for node, value in env.items() if node.name not in calls}
-    return calls, values, output
-
-
-def _run(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
+def run_node(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
     """Call the node's target, out of place: ``ReLU(inplace=True)``, ``F.relu(x, inplace=True)``
     and ``x.relu_()`` run as their out-of-place forms, so the leaves stay intact and credit is
     that of in-place off (the values are the same)."""

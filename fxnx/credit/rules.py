@@ -1,194 +1,390 @@
 """Credit rules: how one node sends the credit at its output back to its inputs.
 
-Rules are data. A *preset* (``"exact"``, ``"feedback_alignment"``,
-``"sign_symmetry"``, or one you register) maps node kinds to rule functions;
-any node whose kind has no entry uses :func:`exact`. A node kind is a module
-class (matched along its MRO, so subclasses count), a function such as
-``torch.add``, or ``method("view")`` for ``x.view(...)`` calls.
+A rule is an object (a :class:`Rule`) or a plain function, called as::
 
-Every rule has the same signature::
+    rule(call: NodeCall, credit, state: RoutingState) -> tuple[list, dict]
 
-    def rule(call: NodeCall, credit, state: RoutingState) -> tuple[list, dict]
+It returns the credit for each input occurrence of the node (``call.inputs``)
+and for each parameter the node owns (``call.params``). A rule object is
+*bound* to each node it routes through: :meth:`Rule.bind` returns the node's
+own copy, which keeps whatever that node needs across steps (the fixed random
+feedback weights of :class:`FeedbackAlignment`, for instance).
 
-and returns the credit for each input occurrence of the node (``call.inputs``)
-and for each parameter it owns (``call.params``).
+The rules:
+
+- :class:`Exact`: the node's vector-Jacobian product, what backpropagation sends.
+- :class:`FeedbackAlignment` (Lillicrap et al., 2016, *Nat. Commun.* 7:13276): a
+  fixed random ``B`` carries credit back to the input in place of ``W``.
+- :class:`SignSymmetry` (Liao, Leibo & Poggio, 2016, AAAI; the variants as
+  BioTorch names them, Sanfiz & Akrout, 2021): ``sign(W) ∘ M`` in place of ``W``,
+  with ``M`` all ones (uSF), redrawn at random every step (brSF) or drawn once (frSF).
+- :class:`DirectFeedbackAlignment` (Nøkland, 2016, NeurIPS): a fixed random
+  projection of the credit at the *model's output* goes to the node's input.
+
+Under every one of them a layer's own parameters get their exact credit given
+the credit that reached the layer's output.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import FxnxValueError
+from .._compat import pytree
+from ..errors import FxnxTypeError, FxnxValueError
 from .record import Credit, NodeCall
+from .transport import feedback_weights, transported
 
 __all__ = [
-    "PRESETS",
+    "DirectFeedbackAlignment",
+    "Exact",
+    "FeedbackAlignment",
+    "Routed",
     "RoutingState",
     "Rule",
-    "exact",
-    "feedback_alignment",
-    "method",
-    "register_rule",
-    "sign_symmetry",
+    "SignSymmetry",
 ]
 
-Rule = Callable[[NodeCall, Credit, "RoutingState"], tuple[list[Credit], dict[str, Tensor]]]
-
-#: Preset name to {node kind: rule}. Kinds missing from a preset use :func:`exact`.
-PRESETS: dict[str, dict[Any, Rule]] = {"exact": {}}
+#: What a rule returns: credit per input occurrence, and per qualified parameter name.
+Routed = tuple[list[Credit], dict[str, Tensor]]
 
 
 @dataclass
 class RoutingState:
-    """What rules may keep across the nodes of one routing run.
+    """What every rule may read during one backward pass.
 
     Attributes
     ----------
     seed : int
-        Seeds the random feedback weights, per node.
-    feedback : dict
-        Node name to its feedback weight; filled on first use and returned in
-        :attr:`CreditResult.feedback`, so a later run can reuse the same ones.
+        The run's seed (rules without a seed of their own draw from it).
+    output_credit : Any
+        The credit at the model's output, in the output's structure.
     """
 
     seed: int = 0
-    feedback: dict[str, Tensor] = field(default_factory=dict)
+    output_credit: Any = None
 
-    def feedback_weight(self, call: NodeCall) -> Tensor:
-        """The fixed random feedback weight of ``call``'s module, made once per node.
 
-        Drawn like a fresh layer's weight (PyTorch's default Kaiming-uniform
-        init), from a generator seeded by ``seed`` and the node's name.
+class Rule:
+    """Base class of rule objects. Subclasses set :attr:`name` and implement ``__call__``.
+
+    Attributes
+    ----------
+    feedback : Any
+        What the rule holds fixed at its node (feedback weights), or None;
+        collected in :attr:`CreditRouter.feedback`.
+
+    Examples
+    --------
+    A rule that halves the exact credit it sends on:
+
+    >>> class Halve(Rule):
+    ...     name = "halve"
+    ...     def __call__(self, call, credit, state):
+    ...         inputs, params = call.exact(credit)
+    ...         return [None if c is None else c / 2 for c in inputs], params
+    """
+
+    name: ClassVar[str] = "rule"
+    feedback: Any = None
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        """This rule for one node (``call`` has no values yet), once, when a plan is compiled.
+
+        ``feedback`` is the user's feedback for the node (``route_credit(..., feedback=)``),
+        or None. The default returns the rule itself and refuses feedback.
         """
-        weight = call.module.weight  # type: ignore[union-attr]
-        B = self.feedback.get(call.name)
-        if B is None:
-            gen = torch.Generator().manual_seed(
-                (self.seed * 1_000_003 + zlib.crc32(call.name.encode())) % 2**63
-            )
-            B = torch.empty(weight.shape, dtype=weight.dtype)
-            nn.init.kaiming_uniform_(B, a=math.sqrt(5), generator=gen)
-            B = B.to(weight.device)
-            self.feedback[call.name] = B
-        elif B.shape != weight.shape:
+        if feedback is not None:
             raise FxnxValueError(
-                f"feedback weight for node {call.name!r} has shape {tuple(B.shape)}, "
-                f"but its weight has shape {tuple(weight.shape)}"
+                f"feedback was given for node {call.name!r}, but its rule {self.name!r} "
+                "takes no feedback weights"
+            )
+        return self
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Exact(Rule):
+    """The node's exact vector-Jacobian product: what backpropagation sends."""
+
+    name = "exact"
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        return call.exact(credit)
+
+
+def _generator(seed: int, key: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+
+
+def _fresh(shape: torch.Size, like: Tensor, gen: torch.Generator) -> Tensor:
+    """A weight drawn as PyTorch draws a fresh layer's (Kaiming-uniform, ``a=√5``)."""
+    B = torch.empty(shape, dtype=like.dtype)
+    nn.init.kaiming_uniform_(B, a=math.sqrt(5), generator=gen)
+    return B.to(like.device)
+
+
+def _key(call: NodeCall, pname: str) -> str:
+    return call.name if pname == "weight" else f"{call.name}.{pname}"
+
+
+def _public(weights: dict[str, Tensor]) -> Tensor | dict[str, Tensor]:
+    """One tensor for a layer with one weight, else parameter name to tensor."""
+    return weights["weight"] if list(weights) == ["weight"] else weights
+
+
+def _given(call: NodeCall, weights: dict[str, Tensor], feedback: Any) -> dict[str, Tensor]:
+    """The user's feedback for ``call`` as parameter name to tensor, shapes checked."""
+    given = {"weight": feedback} if isinstance(feedback, Tensor) else dict(feedback)
+    if set(given) != set(weights):
+        raise FxnxValueError(
+            f"feedback for node {call.name!r} must give {sorted(weights)}, got {sorted(given)}"
+        )
+    for pname, B in given.items():
+        if not isinstance(B, Tensor) or B.shape != weights[pname].shape:
+            got = tuple(B.shape) if isinstance(B, Tensor) else type(B).__qualname__
+            raise FxnxValueError(
+                f"feedback weight for node {call.name!r} ({pname}) has shape {got}, but its "
+                f"weight has shape {tuple(weights[pname].shape)}"
+            )
+    return {pname: B.detach() for pname, B in given.items()}
+
+
+class FeedbackAlignment(Rule):
+    """Feedback alignment (Lillicrap et al., 2016): a fixed random ``B`` in place of ``W``.
+
+    The credit sent to the layer's input is that of the layer with ``B`` as its
+    weight (``credit @ B`` for ``nn.Linear``; the transposed convolution with
+    ``B`` for convolutions; inside ``nn.MultiheadAttention``, ``B`` replaces each
+    of its projection weights while the attention itself is differentiated
+    exactly). The layer's own parameters get their exact credit.
+
+    Parameters
+    ----------
+    seed : int, optional
+        Seeds ``B``, per node (drawn as a fresh layer's weight is). None: the
+        seed of the router or ``route_credit`` call.
+    """
+
+    name = "feedback_alignment"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed!r})"
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        weights = feedback_weights(call)
+        seed = seed if self.seed is None else self.seed
+        bound = copy.copy(self)
+        bound._weights = (
+            _given(call, weights, feedback) if feedback is not None
+            else {p: _fresh(W.shape, W, _generator(seed, _key(call, p))) for p, W in weights.items()}
+        )
+        bound.feedback = _public(bound._weights)
+        return bound
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        return transported(call, credit, self._weights)
+
+
+_VARIANTS = {"uniform": "usf", "batch_random": "brsf", "fixed_random": "frsf"}
+
+
+class SignSymmetry(Rule):
+    """Sign symmetry (Liao et al., 2016): ``sign(W) ∘ M`` in place of ``W``.
+
+    Parameters
+    ----------
+    magnitude : {"uniform", "batch_random", "fixed_random"}
+        ``M`` is all ones (``"usf"``), the absolute value of a fresh random draw
+        at every step (``"brsf"``), or of one draw kept for good (``"frsf"``);
+        draws are made as a fresh layer's weight (Kaiming-uniform).
+    seed : int, optional
+        Seeds the draws, per node. None: the seed of the run.
+
+    Notes
+    -----
+    ``sign(W)`` is read at every step, so it follows the weights as they learn.
+    :attr:`feedback` holds ``M``: the fixed one (frSF) or the latest draw (brSF).
+    """
+
+    def __init__(
+        self, magnitude: Literal["uniform", "batch_random", "fixed_random"] = "uniform",
+        seed: int | None = None,
+    ) -> None:
+        if magnitude not in _VARIANTS:
+            raise FxnxValueError(
+                f"magnitude must be one of {', '.join(map(repr, _VARIANTS))}, got {magnitude!r}"
+            )
+        self.magnitude = magnitude
+        self.seed = seed
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return _VARIANTS[self.magnitude]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.magnitude!r}, seed={self.seed!r})"
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        weights = feedback_weights(call)
+        seed = seed if self.seed is None else self.seed
+        bound = copy.copy(self)
+        bound._gens = {p: _generator(seed, _key(call, p)) for p in weights}
+        if self.magnitude == "fixed_random":
+            bound._magnitudes = (
+                _given(call, weights, feedback) if feedback is not None
+                else {p: _fresh(W.shape, W, bound._gens[p]).abs() for p, W in weights.items()}
+            )
+            bound.feedback = _public(bound._magnitudes)
+        elif feedback is not None:
+            raise FxnxValueError(
+                f"feedback was given for node {call.name!r}, but {self.name} "
+                + ("redraws its magnitudes every step" if self.magnitude == "batch_random"
+                   else "uses sign(W) alone")
+            )
+        return bound
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        weights = feedback_weights(call)
+        if self.magnitude == "batch_random":
+            self._magnitudes = {
+                p: _fresh(W.shape, W, self._gens[p]).abs() for p, W in weights.items()
+            }
+            self.feedback = _public(self._magnitudes)
+        B = {
+            p: W.detach().sign() if self.magnitude == "uniform"
+            else W.detach().sign() * self._magnitudes[p]
+            for p, W in weights.items()
+        }
+        return transported(call, credit, B)
+
+
+class DirectFeedbackAlignment(Rule):
+    """Direct feedback alignment (Nøkland, 2016): the node's input gets ``e @ B``.
+
+    ``e`` is the credit at the model's output, flattened per sample to shape
+    ``(N, D)`` (several output tensors are concatenated), and ``B`` a fixed
+    random projection of shape ``(D, *x.shape[1:])`` for each input ``x`` of
+    the node, so the input's credit is ``(e @ B.reshape(D, -1)).reshape(x.shape)``
+    instead of ``Wᵀ·credit``. Credit thus reaches every weighted layer straight
+    from the output, whatever lies between (skips, merges, normalisations).
+
+    Routed over the graph, this is Nøkland's rule: the credit at a hidden
+    layer's output is what the nodes after it made of their projections (the
+    exact VJP of the activation after it, the sum at a fan-out), and the layer's
+    own parameters get the exact local credit given it. The last layer's
+    parameters get the output credit itself, as in the paper.
+
+    Parameters
+    ----------
+    seed : int, optional
+        Seeds each ``B``, per node and input, drawn uniformly in ``±1/√D`` (as a
+        fresh linear layer from ``D`` features would be) on first use, when the
+        input's shape is known. None: the seed of the run.
+
+    Notes
+    -----
+    ``B`` has ``D · prod(x.shape[1:])`` entries: large for early convolutions
+    with many outputs. :attr:`feedback` holds ``B`` (a tuple for several inputs).
+    """
+
+    name = "direct_feedback_alignment"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed!r})"
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        bound = copy.copy(self)
+        bound._seed = seed if self.seed is None else self.seed
+        given = feedback if isinstance(feedback, (tuple, list)) else [feedback]
+        bound._B = list(given) if feedback is not None else []
+        bound.feedback = feedback
+        return bound
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        _, params = call.exact(credit, inputs=False)
+        e = _flat_output_credit(state.output_credit)
+        inputs: list[Credit] = [None] * len(call.inputs)
+        if e is None:
+            return inputs, params
+        for i, x in enumerate(call.inputs):
+            if not (isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[i])):
+                continue
+            if x.dim() == 0 or x.shape[0] != e.shape[0]:
+                raise FxnxValueError(
+                    f"direct feedback alignment at node {call.name!r}: its input {i} has shape "
+                    f"{tuple(x.shape)}, whose first dimension is not the output's batch size "
+                    f"{e.shape[0]}; route this node another way, e.g. "
+                    f"rules={{{call.name!r}: Exact()}}"
+                )
+            B = self._projection(call, i, e, x)
+            inputs[i] = (e.to(B.dtype) @ B.reshape(e.shape[1], -1)).reshape(x.shape).to(x.dtype)
+        return inputs, params
+
+    def _projection(self, call: NodeCall, i: int, e: Tensor, x: Tensor) -> Tensor:
+        shape = (e.shape[1], *x.shape[1:])
+        while len(self._B) <= i:
+            self._B.append(None)
+        B = self._B[i]
+        if B is None:
+            bound = 1.0 / math.sqrt(e.shape[1])
+            gen = _generator(self._seed, f"{call.name}.dfa{i}")
+            B = (torch.rand(shape, generator=gen, dtype=x.dtype) * 2 - 1).mul_(bound).to(x.device)
+            self._B[i] = B
+            self.feedback = B if len(self._B) == 1 else tuple(self._B)
+        elif tuple(B.shape) != shape:
+            raise FxnxValueError(
+                f"direct feedback alignment at node {call.name!r}: feedback for input {i} has "
+                f"shape {tuple(B.shape)}, expected {shape} (output features, then the input's "
+                "shape without its batch dimension)"
             )
         return B
 
 
-def method(name: str) -> tuple[str, str]:
-    """The node kind of ``tensor.name(...)`` calls, for registering a rule.
-
-    Examples
-    --------
-    >>> method("view")
-    ('call_method', 'view')
-    """
-    return ("call_method", name)
-
-
-def register_rule(preset: str, *kinds: Any) -> Callable[[Rule], Rule]:
-    """Register the decorated function as ``preset``'s rule for each of ``kinds``.
-
-    Returns the function unchanged. A new preset name creates the preset; use
-    it with ``route_credit(..., rule=preset)``.
-
-    Examples
-    --------
-    >>> @register_rule("no_skip_credit", method("relu"))
-    ... def relu_blocks(call, credit, state):
-    ...     return [None] * len(call.inputs), {}
-    >>> PRESETS["no_skip_credit"][method("relu")] is relu_blocks
-    True
-    >>> del PRESETS["no_skip_credit"]
-    """
-    if not kinds:
-        raise FxnxValueError("register_rule needs at least one node kind")
-
-    def decorate(fn: Rule) -> Rule:
-        table = PRESETS.setdefault(preset, {})
-        for kind in kinds:
-            table[kind] = fn
-        return fn
-
-    return decorate
-
-
-def lookup(call: NodeCall, table: dict[Any, Rule]) -> Rule | None:
-    """The rule in ``table`` for ``call``'s node kind, or None."""
-    if call.module is not None:
-        for cls in type(call.module).__mro__:
-            if cls in table:
-                return table[cls]
+def _flat_output_credit(output_credit: Any) -> Tensor | None:
+    """The output credit as one ``(N, D)`` matrix, output tensors side by side."""
+    parts = [t for t in pytree.tree_flatten(output_credit)[0] if isinstance(t, Tensor)]
+    if not parts:
         return None
-    if call.op == "call_method":
-        return table.get(method(call.target))
-    if call.op == "call_function":
-        try:
-            return table.get(call.target)
-        except TypeError:  # an unhashable callable
-            return None
-    return None
-
-
-def exact(call: NodeCall, credit: Credit, state: RoutingState) -> tuple[list[Credit], dict[str, Tensor]]:
-    """The node's exact vector-Jacobian product: what backpropagation sends."""
-    return call.exact(credit)
-
-
-_TRANSPORT_KINDS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-@register_rule("feedback_alignment", *_TRANSPORT_KINDS)
-def feedback_alignment(
-    call: NodeCall, credit: Credit, state: RoutingState
-) -> tuple[list[Credit], dict[str, Tensor]]:
-    """Feedback alignment (Lillicrap et al., 2016): a fixed random ``B`` carries credit
-    back to the input in place of ``W``; the layer's own parameters get their exact
-    credit given the credit at its output."""
-    return _transported(call, credit, state.feedback_weight(call))
-
-
-@register_rule("sign_symmetry", *_TRANSPORT_KINDS)
-def sign_symmetry(
-    call: NodeCall, credit: Credit, state: RoutingState
-) -> tuple[list[Credit], dict[str, Tensor]]:
-    """Sign symmetry (Liao et al., 2016): ``sign(W)`` carries credit back in place of ``W``."""
-    return _transported(call, credit, call.module.weight.detach().sign())  # type: ignore[union-attr]
-
-
-def _transported(
-    call: NodeCall, credit: Tensor, B: Tensor
-) -> tuple[list[Credit], dict[str, Tensor]]:
-    """Credit to the input through ``B`` in the place of the weight; exact parameter credit."""
-    _, param_credit = call.exact(credit, inputs=False)
-    inputs: list[Credit] = [None] * len(call.inputs)
-    if call.inputs and (not call.wanted or call.wanted[0]):
-        inputs[0] = _input_credit(call.module, call.inputs[0], credit, B.to(credit.dtype))
-    return inputs, param_credit
-
-
-def _input_credit(module: Any, x: Tensor, credit: Tensor, B: Tensor) -> Tensor:
-    if isinstance(module, nn.Linear):
-        return credit @ B
-    dims = B.dim() - 2
-    if isinstance(module.padding, str) or module.padding_mode != "zeros":
-        # Padding the layer does itself: differentiate its forward with B as the weight (the
-        # bias does not reach the input's credit).
-        _, vjp = torch.func.vjp(
-            lambda inp: torch.func.functional_call(module, {"weight": B}, (inp,)), x.detach()
+    if any(t.dim() == 0 or t.shape[0] != parts[0].shape[0] for t in parts):
+        raise FxnxValueError(
+            "direct feedback alignment needs every output tensor to share a leading batch "
+            f"dimension; the output credit has shapes {[tuple(t.shape) for t in parts]}"
         )
-        return vjp(credit)[0]
-    return torch.ops.aten.convolution_backward(
-        credit, x.detach(), B, None, module.stride, module.padding, module.dilation,
-        False, [0] * dims, module.groups, [True, False, False],
-    )[0]
+    return torch.cat([t.reshape(t.shape[0], -1) for t in parts], 1)
+
+
+RuleLike = Rule | Callable[[NodeCall, Credit, RoutingState], Routed]
+
+
+def rule_name(rule: Any) -> str:
+    """The name a rule is reported by."""
+    return str(getattr(rule, "name", None) or getattr(rule, "__name__", None) or repr(rule))
+
+
+def check_rule(rule: Any, where: str) -> None:
+    """Refuse what cannot be a rule, naming where it was given."""
+    if not callable(rule):
+        raise FxnxTypeError(
+            f"{where} must be a rule object (fxnx.Exact(), fxnx.FeedbackAlignment(), …) or a "
+            f"function rule(call, credit, state), got {type(rule).__qualname__} {rule!r:.60}"
+        )
+    if isinstance(rule, type):
+        raise FxnxTypeError(f"{where} is the class {rule.__qualname__}; pass an instance: {rule.__qualname__}()")
