@@ -1,0 +1,199 @@
+"""CreditRouter: training with routed credit against training with autograd."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxnx
+
+
+class _Net(nn.Module):
+    """Conv, train-mode BatchNorm, in-place ReLU, a skip connection, a frozen-free head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.act(self.bn(self.conv(x)))
+        h = self.act(self.bn2(self.conv2(h)) + h)  # the skip
+        return self.head(h.mean((2, 3)))
+
+
+def _batches(steps, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(6, 3, 8, 8, generator=gen, dtype=dtype), torch.randint(0, 3, (6,), generator=gen))
+        for _ in range(steps)
+    ]
+
+
+def _train(model, forward, backward, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(forward(x), y)
+        backward(loss)
+        opt.step()
+
+
+def _rel(a, b):
+    return float((a - b).norm()) / max(float(b.norm()), 1e-300)
+
+
+def test_exact_training_equals_autograd_training():
+    torch.manual_seed(0)
+    ours = _Net().double().train()
+    theirs = copy.deepcopy(ours)
+    batches = _batches(4)
+    router = fxnx.CreditRouter(fxnx.convert(ours, batches[0][0]), ours)
+    _train(ours, router, router.backward, batches)
+    _train(theirs, theirs, lambda loss: loss.backward(), batches)  # the oracle: autograd
+    moved = 0.0
+    torch.manual_seed(0)
+    start = _Net().double()  # the initial values: the training must have moved the weights
+    for (name, p), q, p0 in zip(ours.named_parameters(), theirs.parameters(), start.parameters(), strict=True):
+        assert _rel(p.detach(), q.detach()) <= 1e-10, name
+        moved = max(moved, _rel(p.detach(), p0.detach()))
+    assert moved > 1e-2
+    for (name, b), c in zip(ours.named_buffers(), theirs.buffers(), strict=True):
+        assert torch.equal(b, c), name  # running statistics updated as model(x) updates them
+    assert int(ours.bn.num_batches_tracked) == 4
+    assert ours.act.inplace  # the model itself is untouched
+
+
+def test_exact_training_is_bit_equal_on_a_torchvision_cnn():
+    import torchvision
+
+    torch.manual_seed(0)
+    ours = torchvision.models.resnet18(weights=None, num_classes=5).double().train()
+    theirs = copy.deepcopy(ours)
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 3, 32, 32, generator=gen, dtype=torch.float64),
+                torch.randint(0, 5, (2,), generator=gen)) for _ in range(2)]
+    router = fxnx.CreditRouter(fxnx.convert(ours, batches[0][0]), ours)
+    _train(ours, router, router.backward, batches)
+    _train(theirs, theirs, lambda loss: loss.backward(), batches)
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_grad_accumulates_and_frozen_parameters_stay_untouched():
+    torch.manual_seed(0)
+    model = _Net().double().eval()
+    model.conv.weight.requires_grad_(False)
+    frozen = model.conv.weight.detach().clone()
+    ref = copy.deepcopy(model)
+    (x1, y1), (x2, y2) = _batches(2)
+    router = fxnx.CreditRouter(fxnx.convert(model, x1), model)
+    model.head.weight.grad = torch.ones_like(model.head.weight)  # kept and added to
+    ref.head.weight.grad = torch.ones_like(ref.head.weight)
+    for x, y in ((x1, y1), (x2, y2)):  # two backward calls add up
+        res = router.backward(nn.functional.cross_entropy(router(x), y))
+        nn.functional.cross_entropy(ref(x), y).backward()
+    assert model.conv.weight.grad is None and torch.equal(model.conv.weight, frozen)
+    assert "conv.weight" not in res.param_credit
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if p.requires_grad:
+            assert _rel(p.grad, q.grad) <= 1e-12, name
+    # The last backward's own credit is in the result; .grad holds the sum.
+    assert not torch.equal(res.param_credit["head.bias"], model.head.bias.grad)
+
+
+def test_grads_that_autograd_would_share_are_not_shared():
+    class TwoBiases(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+            self.b = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+
+        def forward(self, x):
+            return x + self.a + self.b  # add sends one tensor to both parameters
+
+    model, x = TwoBiases(), torch.randn(2, 3, dtype=torch.float64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model)
+    for _ in range(2):
+        router.backward(router(x).sum())
+    assert torch.equal(model.a.grad, torch.full((3,), 4.0, dtype=torch.float64))
+    assert torch.equal(model.b.grad, torch.full((3,), 4.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_the_forward_is_the_models_forward(mode):
+    torch.manual_seed(0)
+    model = getattr(_Net().double(), mode)()
+    ref = copy.deepcopy(model)
+    x = _batches(1)[0][0]
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model)
+    out = router(x)
+    assert torch.equal(out, ref(x))
+    for (name, b), c in zip(model.named_buffers(), ref.buffers(), strict=True):
+        assert torch.equal(b, c), name
+    assert all(p.grad is None for p in model.parameters())  # the forward alone adds nothing
+    with torch.no_grad():
+        assert torch.equal(router(x), ref(x))
+
+
+def test_output_credit_instead_of_a_loss():
+    torch.manual_seed(0)
+    model = _Net().double().eval()
+    ref = copy.deepcopy(model)
+    x = _batches(1)[0][0]
+    credit = torch.randn(6, 3, dtype=torch.float64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model)
+    router(x)
+    res = router.backward(output_credit=credit, node_credit=True)
+    ref(x).backward(credit)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert _rel(p.grad, q.grad) <= 1e-12, name
+    assert torch.equal(res.node_credit["output"], credit)
+
+
+def test_misuse_is_refused_with_what_to_do():
+    model = nn.Sequential(nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model)
+    with pytest.raises(fxnx.FxnxValueError, match=r"call output = router\(x\)"):
+        router.backward(torch.tensor(1.0))
+    out = router(x)
+    with pytest.raises(fxnx.FxnxValueError, match="exactly one"):
+        router.backward(out.sum(), output_credit=torch.ones(4, 2))
+    with pytest.raises(fxnx.FxnxValueError, match=r"loss must be a scalar .*shape \(4, 2\)"):
+        router.backward(out * 2)
+    with pytest.raises(fxnx.FxnxValueError, match="does not depend on the output"):
+        router.backward(torch.tensor(1.0, requires_grad=True) * 2)
+    router.backward(out.sum())
+    with pytest.raises(fxnx.FxnxValueError, match="once per forward"):
+        router.backward(out.sum())
+    with pytest.raises(fxnx.FxnxValueError, match="unknown rule 'fa'"):
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rule="fa")
+    with pytest.raises(fxnx.FxnxValueError, match=r"rules name nodes that G does not have: \['nope'\]"):
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rules={"nope": fxnx.Exact()})
+    with pytest.raises(fxnx.FxnxTypeError, match=r"pass an instance: Exact\(\)"):
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rules={nn.Linear: fxnx.Exact})
+
+
+def test_the_plan_is_compiled_once(monkeypatch):
+    from fxnx.credit import engine
+
+    compiled = []
+    real = engine.compile_plan
+    monkeypatch.setattr(engine, "compile_plan", lambda *a, **k: compiled.append(1) or real(*a, **k))
+    model = nn.Sequential(nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    B = None
+    for _ in range(3):
+        router.backward(router(x).sum())
+        B = B if B is not None else router.feedback["_0"]
+        assert router.feedback["_0"] is B  # the same feedback weights every step
+    assert len(compiled) == 1
