@@ -75,6 +75,42 @@ def bench_credit(runs: int) -> None:
     )
 
 
+def bench_train(runs: int) -> None:
+    """A ResNet-50 training step (batch 8, SGD): CreditRouter against autograd. Target ≤ 1.1×.
+
+    Exact rule: router forward + loss + router.backward + step against model
+    forward + loss.backward + step; then feedback alignment against exact, both
+    with the router. Each pair is one interleaved run.
+    """
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(weights=None).train()
+    x, y = torch.randn(8, 3, 224, 224), torch.randint(0, 1000, (8,))
+    G = fxnx.convert(model, x)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    exact = fxnx.CreditRouter(G, model)
+    fa = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+
+    def step(forward: Callable[..., torch.Tensor], backward: Callable[[torch.Tensor], object]) -> None:
+        opt.zero_grad()
+        backward(torch.nn.functional.cross_entropy(forward(x), y))
+        opt.step()
+
+    ours, base = _interleaved(
+        lambda: step(exact, exact.backward), lambda: step(model, torch.Tensor.backward), runs
+    )
+    print(
+        f"train step resnet50 8x3x224x224, exact: router {ours / base:.2f}x of autograd "
+        f"(median of {runs}: {ours:.2f} s vs {base:.2f} s; target <= 1.1x)", flush=True
+    )
+    t_fa, t_exact = _interleaved(
+        lambda: step(fa, fa.backward), lambda: step(exact, exact.backward), runs
+    )
+    print(
+        f"train step resnet50 8x3x224x224, feedback_alignment: {t_fa / t_exact:.2f}x of exact "
+        f"with the router (median of {runs}: {t_fa:.2f} s vs {t_exact:.2f} s)"
+    )
+
+
 #: The drawing zoo: (library, model name), built without weights at 1x3x224x224.
 DRAW_ZOO = [
     ("torchvision", "resnet50"), ("torchvision", "densenet121"), ("timm", "vit_tiny_patch16_224"),
@@ -303,6 +339,7 @@ BENCHMARKS = {
     "files": bench_files,
     "meta": bench_meta,
     "scale": bench_scale,
+    "train": bench_train,
 }
 
 

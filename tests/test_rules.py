@@ -257,3 +257,36 @@ def test_feedback_rules_refuse_layers_without_weights():
         fxnx.route_credit(fxnx.convert(model, x), model, x, rules={nn.Tanh: fxnx.FeedbackAlignment()})
     with pytest.raises(fxnx.FxnxValueError, match="magnitude must be one of"):
         fxnx.SignSymmetry("random")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"batch_first": True},
+        {"batch_first": False, "kdim": 6, "vdim": 5},
+        {"batch_first": True, "padding": True, "average": False},
+        {"batch_first": True, "unbatched": True},
+    ],
+    ids=["batch_first", "kdim_vdim", "padding_per_head", "unbatched"],
+)
+def test_the_recomputed_attention_is_torchs(config):
+    from fxnx.credit.transport import attention
+
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(8, 2, batch_first=config["batch_first"], kdim=config.get("kdim"),
+                              vdim=config.get("vdim")).double().eval()
+    L, S, N = 4, 5, 3
+    shape = (lambda n, d: (N, n, d)) if config["batch_first"] else (lambda n, d: (n, N, d))
+    q = torch.randn(shape(L, 8), dtype=f64)
+    k = torch.randn(shape(S, config.get("kdim", 8)), dtype=f64)
+    v = torch.randn(shape(S, config.get("vdim", 8)), dtype=f64)
+    options = {"attn_mask": torch.randn(L, S, dtype=f64), "average_attn_weights": config.get("average", True)}
+    if config.get("padding"):
+        options["key_padding_mask"] = torch.tensor([[False] * 4 + [True]] * N)
+        options["attn_mask"] = torch.ones(L, S, dtype=torch.bool).triu(1)  # boolean masks both
+    if config.get("unbatched"):
+        q, k, v = q[0], k[0], v[0]
+    want = m(q, k, v, need_weights=True, **options)
+    got = attention(m, q, k, v, need_weights=True, **options)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-10, atol=1e-12)

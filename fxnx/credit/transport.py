@@ -191,7 +191,8 @@ def _attention_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> t
     module = call.module
     bound = _SIGNATURE.bind(module, *call.args, **call.kwargs)
     arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
-    out, weights = attention(module, **arguments, feedback={p: b.to(credit[0]) for p, b in B.items()})  # type: ignore[arg-type]
+    like = next(c for c in credit if isinstance(c, Tensor))
+    out, weights = attention(module, **arguments, feedback={p: b.to(like) for p, b in B.items()})  # type: ignore[arg-type]
     pairs = [(o, c) for o, c in zip((out, weights), credit, strict=False)
              if isinstance(o, Tensor) and isinstance(c, Tensor)]
     wanted = [i for i, x in enumerate(call.inputs)
