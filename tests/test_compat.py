@@ -139,7 +139,7 @@ def test_conv_feedback_matches_the_layers_own_forward():
     x = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
     B = torch.randn_like(conv.weight)
     credit = torch.randn(1, 3, 5, 5, dtype=torch.float64)
-    from fxnx.credit.rules import _input_credit
+    from fxnx.credit.transport import _input_credit
 
     got = _input_credit(conv, x.detach(), credit, B)
     padded = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect")

@@ -33,7 +33,7 @@ def feedback_weights(call: NodeCall) -> dict[str, Tensor]:
     if isinstance(module, _LAYERS):
         return {"weight": module.weight}
     if isinstance(module, nn.MultiheadAttention):
-        if module._qkv_same_embed_dim:
+        if module.in_proj_weight is not None:  # one packed weight when q, k, v sizes agree
             weights = {"in_proj_weight": module.in_proj_weight}
         else:
             weights = {n: getattr(module, n) for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight")}
@@ -138,7 +138,7 @@ def attention(
     L, N, E = query.shape
     S, heads = key.shape[0], m.num_heads
     d = E // heads
-    if m._qkv_same_embed_dim:
+    if m.in_proj_weight is not None:
         Ws = m.in_proj_weight.chunk(3)
         Bs = B["in_proj_weight"].chunk(3) if B else (None,) * 3
     else:
