@@ -124,6 +124,16 @@ class Exact(Rule):
         return call.exact(credit)
 
 
+class _Seeded(Rule):
+    """A rule that draws random feedback from its own seed, or the run's where it has none."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed!r})"
+
+
 def _generator(seed: int, key: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
 
@@ -161,7 +171,7 @@ def _given(call: NodeCall, weights: dict[str, Tensor], feedback: Any) -> dict[st
     return {pname: B.detach() for pname, B in given.items()}
 
 
-class FeedbackAlignment(Rule):
+class FeedbackAlignment(_Seeded):
     """Feedback alignment (Lillicrap et al., 2016): a fixed random ``B`` in place of ``W``.
 
     The credit sent to the layer's input is that of the layer with ``B`` as its
@@ -178,12 +188,6 @@ class FeedbackAlignment(Rule):
     """
 
     name = "feedback_alignment"
-
-    def __init__(self, seed: int | None = None) -> None:
-        self.seed = seed
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(seed={self.seed!r})"
 
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         weights = feedback_weights(call)
@@ -273,7 +277,7 @@ class SignSymmetry(Rule):
         return transported(call, credit, B)
 
 
-class DirectFeedbackAlignment(Rule):
+class DirectFeedbackAlignment(_Seeded):
     """Direct feedback alignment (Nøkland, 2016): the node's input gets ``e @ B``.
 
     ``e`` is the credit at the model's output, flattened per sample to shape
@@ -303,12 +307,6 @@ class DirectFeedbackAlignment(Rule):
     """
 
     name = "direct_feedback_alignment"
-
-    def __init__(self, seed: int | None = None) -> None:
-        self.seed = seed
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(seed={self.seed!r})"
 
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         bound = copy.copy(self)
