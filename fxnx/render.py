@@ -41,11 +41,13 @@ __all__ = ["GraphvizNotFoundError", "draw", "to_pydot"]
 #: Graphviz cannot write a PNG wider or taller than this many pixels.
 MAX_PIXELS = 32767
 #: A PNG drawn without ``depth`` is collapsed until dot's work (nodes plus virtual nodes) and
-#: the layout's area (square inches at 100%) are below these. 300 square inches is ten pages of a
-#: paper's column (3.3 by 9 inches): past it a PNG is no figure to print, and slow to write, for
-#: Graphviz's PNG encoder takes most of its time (ResNet-50 in full is about 300 and 1,400, a
-#: 600 by 12,000 pixel PNG; by bottleneck block 25 and 60; DenseNet-121 in full 27,000 and 30,000).
-PNG_WORK, PNG_AREA = 2000, 300.0
+#: the layout's estimated area (square inches at 100%) are below these. Past about 600 square
+#: inches (twenty pages of a paper's 3.3 by 9 inch column) a PNG is no figure to print, and slow
+#: to write, for Graphviz's PNG encoder takes most of its time. ResNet-18 in full is estimated at
+#: 105 and 540 (drawn: 6 by 52 inches), so it keeps every node; ResNet-50 in full, 300 and 1,400
+#: (a 600 by 12,300 pixel PNG), is drawn by bottleneck block; DenseNet-121 in full, 27,000 and
+#: 30,000.
+PNG_WORK, PNG_AREA = 2000, 600.0
 #: The ``dpi`` accepted: Graphviz's 96 by default, 300 to 600 for print.
 MAX_DPI = 1200
 #: The file suffixes draw writes: images through Graphviz, or DOT text.
@@ -181,8 +183,8 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     Graphviz's ``dot`` runs once. Without ``depth``, a PNG is collapsed to the
     deepest module level whose layout is predicted (from node, edge and rank
     counts, before running Graphviz) to be readable and quick: at most
-    2,000 nodes plus virtual nodes, 300 square inches (ten pages of a paper's
-    column at 100%), and Graphviz's
+    2,000 nodes plus virtual nodes, 600 square inches (twenty pages of a paper's
+    column at 100%; ResNet-18 keeps every node, ResNet-50 is drawn by block), and Graphviz's
     32,767-pixel limit; a warning says so. SVG and PDF keep every node; past
     6,000 nodes plus virtual nodes, dot's crossing reduction and placement
     passes are limited so the layout takes seconds (edges cross more), and a run past two minutes stops with an error
