@@ -27,11 +27,15 @@ def module_depth(G: nx.MultiDiGraph) -> int:
     return max((len(_path(d).split(".")) for _, d in G.nodes(data=True) if _path(d)), default=0)
 
 
-def collapse(G: nx.MultiDiGraph, depth: int) -> nx.MultiDiGraph:
+def collapse(
+    G: nx.MultiDiGraph, depth: int, *, order: list[Any] | None = None, skips: bool = True
+) -> nx.MultiDiGraph:
     """Replace every module nested deeper than ``depth`` by one node for its ancestor at ``depth``.
 
     A module whose calls would close a cycle once merged (one module called at
-    several places) is left expanded.
+    several places) is left expanded. ``order`` is ``G``'s topological order if
+    already known; without ``skips`` the view's skip connections are not marked
+    (enough to predict its layout).
     """
     if depth < 1:
         raise FxnxValueError(f"depth must be 1 or more, got {depth}")
@@ -40,8 +44,8 @@ def collapse(G: nx.MultiDiGraph, depth: int) -> nx.MultiDiGraph:
         node: primal["name"].rpartition(".")[0]
         for node, primal in G.graph.get("primals", {}).items() if primal["kind"] != "input"
     }
-    owners.update(
-        (node, data["target"].rpartition(".")[0])
+    owners.update(  # a constant that tracing made (_tensor_constant0) belongs to where it is used
+        (node, data["target"].rpartition(".")[0] or str(data.get("scope") or ""))
         for node, data in G.nodes(data=True) if data.get("op") == "get_attr"
     )
     for node, data in G.nodes(data=True):
@@ -52,22 +56,24 @@ def collapse(G: nx.MultiDiGraph, depth: int) -> nx.MultiDiGraph:
         suffix = BACKWARD_SUFFIX if data.get("phase") == "backward" else ""
         keep = len(parts) >= depth and not leaf_call
         group[node] = ".".join(parts[:depth]) + suffix if keep else node
+    order = order if order is not None else topological_order(G)
     while True:
-        H = _grouped(G, group)
+        H = _grouped(G, group, order)
         if nx.is_directed_acyclic_graph(H):
             break
         cyclic = {u for u, *_ in nx.find_cycle(H)} - set(G)
         group.update({n: n for n, g in group.items() if g in cyclic})
-    from .analysis import skip_connections
+    if skips:
+        from .analysis import skip_connections
 
-    skip_connections(H)  # the skip connections still visible once modules are collapsed
+        skip_connections(H)  # the skip connections still visible once modules are collapsed
     return H
 
 
-def _grouped(G: nx.MultiDiGraph, group: dict[str, str]) -> nx.MultiDiGraph:
+def _grouped(G: nx.MultiDiGraph, group: dict[str, str], order: list[Any]) -> nx.MultiDiGraph:
     modules = G.graph.get("modules", {})
     H = nx.MultiDiGraph(**{k: v for k, v in G.graph.items() if k != "skip_connections"})
-    for node in topological_order(G):
+    for node in order:
         key, data = group[node], G.nodes[node]
         if key == node:
             H.add_node(node, **_without_roles(data))

@@ -25,6 +25,8 @@ LABEL_CHAR = 5.6
 NODE_PAD, VIRTUAL = 16.0, 10.0
 #: Points between neighbours in a rank (nodesep) and from rank to rank (height plus ranksep).
 NODESEP, RANK_STEP = 18.0, 56.0
+#: Points a module's box adds across: its margins on either side and its border.
+CLUSTER_PAD = 18.0
 #: Past this many nodes plus virtual nodes, dot's network simplex and crossing reduction are
 #: held to a few passes (see bounded_options): the layout then takes seconds, not minutes.
 BOUNDED_WORK = 6000
@@ -49,13 +51,21 @@ class Estimate:
         return self.across * dpi / 72, self.along * dpi / 72
 
 
-def estimate(G: nx.MultiDiGraph, label_width: Callable[[Any, dict[str, Any]], float]) -> Estimate:
+def estimate(
+    G: nx.MultiDiGraph,
+    label_width: Callable[[Any, dict[str, Any]], float],
+    *,
+    clusters: bool = True,
+) -> Estimate:
     """Predict the size of ``G``'s dot layout and the work it takes.
 
     Ranks are those of the longest path from the inputs, with every node that
-    has no inputs (parameters, constants) moved next to its first consumer, as
-    dot's own ranking does. ``label_width(node, data)`` gives a node's width
-    in points.
+    no input feeds (parameters, constants and what is computed from them
+    alone) moved next to its first consumer, as dot's own ranking does. ``label_width(node, data)`` gives a node's width
+    in points. With ``clusters``, each module's box (from the nodes'
+    ``scope``) is a rectangle over the ranks it spans, as in dot: boxes whose
+    ranks overlap sit side by side, so a chain of boxes that each overlap the
+    next by a rank drifts across the page like a staircase.
 
     Examples
     --------
@@ -69,31 +79,64 @@ def estimate(G: nx.MultiDiGraph, label_width: Callable[[Any, dict[str, Any]], fl
     rank: dict[Any, int] = {}
     for node in order:
         rank[node] = max((rank[u] + 1 for u in G.predecessors(node)), default=0)
-    for node in reversed(order):
-        if G.in_degree(node) == 0 and G.out_degree(node) > 0:
+    inputs = [node for node, op in G.nodes(data="op") if op == "placeholder"]
+    fed = set(inputs).union(*(nx.descendants(G, node) for node in inputs)) if inputs else set()
+    for node in reversed(order):  # what no input feeds (parameters and what is made of them)
+        if node not in fed and G.out_degree(node) > 0 and (inputs or G.in_degree(node) == 0):
             rank[node] = min(rank[v] for v in G.successors(node)) - 1
     low = min(rank.values(), default=0)
     ranks = max(rank.values(), default=0) - low + 1
-    width = [0.0] * (ranks + 1)
-    for node, data in G.nodes(data=True):
-        width[rank[node] - low] += label_width(node, data) + NODESEP
+    width = {node: label_width(node, data) for node, data in G.nodes(data=True)}
     crossing = [0] * (ranks + 1)  # virtual nodes per rank, as a difference array
     virtual = 0
     for u, v, shape in G.edges(data="shape"):
-        if isinstance(shape, (tuple, list)):  # the shape label sits beside the edge's first rank
-            width[min(rank[u], rank[v]) - low] += (3 * len(shape) + 2) * LABEL_CHAR
+        if isinstance(shape, (tuple, list)):  # the shape label sits beside the edge, by its tail
+            width[u] += (3 * len(shape) + 2) * LABEL_CHAR
         span = abs(rank[v] - rank[u])
         if span > 1:
             virtual += span - 1
             first = min(rank[u], rank[v]) - low + 1
             crossing[first] += 1
             crossing[first + span - 1] -= 1
+    scopes = {node: str(data.get("scope") or "") if clusters else ""
+              for node, data in G.nodes(data=True)}
+    right = _packed(scopes, {n: r - low for n, r in rank.items()}, width)
     running, across = 0, 0.0
     for r in range(ranks):
         running += crossing[r]
-        across = max(across, width[r] + running * (VIRTUAL + NODESEP))
+        across = max(across, right.get(r, 0.0) + running * (VIRTUAL + NODESEP))
     return Estimate(across=across, along=ranks * RANK_STEP, nodes=G.number_of_nodes(),
                     virtual=virtual)
+
+
+def _packed(scope: dict[Any, str], rank: dict[Any, int], width: dict[Any, float]) -> dict[int, float]:
+    """The right edge, per rank, of the top level once every module box is packed.
+
+    Within a box, its nodes and inner boxes are taken in order of their first
+    rank, each put just right of whatever already occupies any of its ranks
+    (a skyline); a box is then a rectangle as wide as its widest rank plus
+    its margins, over all its ranks.
+    """
+    items: dict[str, list[tuple[int, int, float]]] = {}
+    for node, path in scope.items():
+        items.setdefault(path, []).append((rank[node], rank[node], width[node] + NODESEP))
+        while path:  # every enclosing box exists, even one that holds no node itself
+            path = path.rpartition(".")[0]
+            items.setdefault(path, [])
+    for path in sorted(items, key=lambda p: -p.count(".") if p else 1):
+        skyline: dict[int, float] = {}
+        for lo, hi, w in sorted(items[path]):
+            x = max(skyline.get(r, 0.0) for r in range(lo, hi + 1))
+            for r in range(lo, hi + 1):
+                skyline[r] = x + w
+        if not path:
+            return skyline
+        if not skyline:
+            continue
+        lo, hi = min(skyline), max(skyline)
+        parent = path.rpartition(".")[0] if "." in path else ""
+        items[parent].append((lo, hi, max(skyline.values()) + CLUSTER_PAD))
+    return {}
 
 
 def bounded_options(e: Estimate) -> dict[str, str]:

@@ -41,9 +41,13 @@ __all__ = ["GraphvizNotFoundError", "draw", "to_pydot"]
 #: Graphviz cannot write a PNG wider or taller than this many pixels.
 MAX_PIXELS = 32767
 #: A PNG drawn without ``depth`` is collapsed until dot's work (nodes plus virtual nodes) and
-#: the layout's area (square inches) are below these: past them a PNG is neither readable nor
-#: quick (ResNet-50 in full is about 300 and 880; DenseNet-121 in full about 27,000 and 6,000).
-PNG_WORK, PNG_AREA = 2000, 1000.0
+#: the layout's estimated area (square inches at 100%) are below these. Past about 600 square
+#: inches (twenty pages of a paper's 3.3 by 9 inch column) a PNG is no figure to print, and slow
+#: to write, for Graphviz's PNG encoder takes most of its time. ResNet-18 in full is estimated at
+#: 105 and 540 (drawn: 6 by 52 inches), so it keeps every node; ResNet-50 in full, 300 and 1,400
+#: (a 600 by 12,300 pixel PNG), is drawn by bottleneck block; DenseNet-121 in full, 27,000 and
+#: 30,000.
+PNG_WORK, PNG_AREA = 2000, 600.0
 #: The ``dpi`` accepted: Graphviz's 96 by default, 300 to 600 for print.
 MAX_DPI = 1200
 #: The file suffixes draw writes: images through Graphviz, or DOT text.
@@ -179,7 +183,8 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     Graphviz's ``dot`` runs once. Without ``depth``, a PNG is collapsed to the
     deepest module level whose layout is predicted (from node, edge and rank
     counts, before running Graphviz) to be readable and quick: at most
-    2,000 nodes plus virtual nodes, 1,000 square inches, and Graphviz's
+    2,000 nodes plus virtual nodes, 600 square inches (twenty pages of a paper's
+    column at 100%; ResNet-18 keeps every node, ResNet-50 is drawn by block), and Graphviz's
     32,767-pixel limit; a warning says so. SVG and PDF keep every node; past
     6,000 nodes plus virtual nodes, dot's crossing reduction and placement
     passes are limited so the layout takes seconds (edges cross more), and a run past two minutes stops with an error
@@ -231,10 +236,10 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
 
         skip_connections(G)
     if depth is None and fmt == "png":
-        depth, view, guess = _png_depth(G, dpi)
+        depth, view, guess = _png_depth(G, dpi, options.get("clusters", True))
     else:
         view = collapse(G, depth) if depth is not None else G
-        guess = estimate(view, label_width)
+        guess = estimate(view, label_width, clusters=options.get("clusters", True))
     if fmt == "png" and guess.pixels(dpi)[1] > MAX_PIXELS:
         raise FxnxValueError(_too_large(path, depth, dpi))
     text = _pydot(view, graph_attrs=bounded_options(guess), **_defaults(options)).to_string()
@@ -269,21 +274,25 @@ def _fits_png(guess: Estimate, dpi: int) -> bool:
     return guess.work <= PNG_WORK and area <= PNG_AREA and max(across, along) <= MAX_PIXELS
 
 
-def _png_depth(G: nx.MultiDiGraph, dpi: int) -> tuple[int | None, nx.MultiDiGraph, Estimate]:
+def _png_depth(
+    G: nx.MultiDiGraph, dpi: int, clusters: bool
+) -> tuple[int | None, nx.MultiDiGraph, Estimate]:
     """The deepest depth at which ``G`` makes a readable PNG, its view and estimate."""
-    guess = estimate(G, label_width)
+    guess = estimate(G, label_width, clusters=clusters)
     depths = range(module_depth(G) - 1, 0, -1)
     if _fits_png(guess, dpi) or not depths:
         return None, G, guess
+    order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
-        view = collapse(G, depth)
-        guess = estimate(view, label_width)
+        guess = estimate(collapse(G, depth, order=order, skips=False), label_width,
+                         clusters=clusters)
         if _fits_png(guess, dpi):
             break
+    view = collapse(G, depth, order=order)
     warnings.warn(
         f"{G.graph.get('model', 'the graph')} is too large for a readable PNG; drew it "
         f"with modules collapsed below depth {depth}. Write .svg or .pdf to see every "
-        "node, or pick depth= yourself.",
+        f"node, or pick depth= yourself (depth={module_depth(G)} keeps every node).",
         stacklevel=3,
     )
     return depth, view, guess
@@ -291,8 +300,9 @@ def _png_depth(G: nx.MultiDiGraph, dpi: int) -> tuple[int | None, nx.MultiDiGrap
 
 def _quick_depth(G: nx.MultiDiGraph) -> int:
     """The deepest depth at which dot's layout of ``G`` is quick."""
+    order = topological_order(G)
     for depth in range(module_depth(G) - 1, 0, -1):
-        if estimate(collapse(G, depth), label_width).work <= PNG_WORK:
+        if estimate(collapse(G, depth, order=order, skips=False), label_width).work <= PNG_WORK:
             return depth
     return 1
 

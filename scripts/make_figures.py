@@ -32,7 +32,7 @@ def main() -> None:
     resnet18 = torchvision.models.resnet18(weights=None).eval()
     x = torch.randn(2, 3, 224, 224)
     G = fxnx.convert(resnet18, x)
-    fxnx.draw(G, out / "resnet18_skips.png", dpi=100)
+    fxnx.draw(G, out / "resnet18_skips.png", depth=4, dpi=100)  # depth 4 keeps every node
     fxnx.draw(fxnx.scope_subgraph(G, "layer2"), out / "resnet18_layer2.png", dpi=150)
 
     # Credit: exact against feedback alignment on ResNet-18, and the credit on the drawing.

@@ -380,3 +380,74 @@ def test_densenet121_svg_keeps_every_node_with_a_bounded_layout(tmp_path, monkey
     svg = fxnx.draw(G, tmp_path / "densenet121.svg").read_text()
     assert runs == ["svg"]
     assert all(f'<g id="{node}" class="node">' in svg for node in G)
+
+
+class _NormBlock(torch.nn.Module):
+    """A ViT-like block: a layer norm with its own parameters, then a residual add."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.d = d
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.ones(d))
+        self.norm.bias = torch.nn.Parameter(torch.zeros(d))
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        y = torch.nn.functional.layer_norm(x, (self.d,), self.norm.weight, self.norm.bias)
+        return x + self.fc(y)
+
+
+def _dot_size(text):
+    """The width and height in points of dot's own layout of DOT text: the oracle."""
+    plain = render.subprocess.run(["dot", "-Tplain"], input=text.encode(), capture_output=True,
+                                  check=True).stdout.decode()
+    width, height = plain.split("\n", 1)[0].split()[2:4]
+    return float(width) * 72, float(height) * 72
+
+
+@needs_dot
+def test_width_estimate_follows_nested_boxes_that_drift(tmp_path):
+    # Each block's parameters rank one above the previous block's add, so the boxes overlap by
+    # a rank and dot lays them out as a staircase, much wider than any one rank's nodes.
+    G = fxnx.convert(torch.nn.Sequential(*(_NormBlock(4) for _ in range(8))), torch.zeros(1, 4))
+    fxnx.skip_connections(G)
+    width, height = _dot_size(fxnx.to_pydot(G).to_string())
+    guess = render.estimate(G, _style.label_width)
+    assert 0.7 < guess.across / width < 1.5
+    assert 0.7 < guess.along / height < 1.5
+    flat = render.estimate(G, _style.label_width, clusters=False)
+    assert flat.across < width / 2  # the boxes, not the ranks, make the width
+    no_boxes, _ = _dot_size(fxnx.to_pydot(G, clusters=False).to_string())
+    assert 0.5 < flat.across / no_boxes < 1.5
+
+
+def test_constants_made_by_tracing_collapse_into_their_module():
+    class Shifted(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.tensor([1.0, 2.0])  # traced as a get_attr _tensor_constant0
+
+    G = fxnx.convert(torch.nn.Sequential(torch.nn.Sequential(Shifted())), torch.zeros(1, 2))
+    assert any(d.get("op") == "get_attr" and "." not in d["target"] for _, d in G.nodes(data=True))
+    assert {d.get("op") for _, d in render.collapse(G, 1).nodes(data=True)} == {
+        "placeholder", "module", "output"}
+
+
+@needs_dot
+def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False).eval()
+    G = fxnx.convert(model, torch.randn(1, 3, 224, 224))
+    runs = _count_dot_runs(monkeypatch)
+    with pytest.warns(UserWarning, match=r"collapsed below depth (\d)") as caught:
+        path = fxnx.draw(G, tmp_path / "swin.png")
+    assert runs == ["png"]
+    width, height = _png_size(path)
+    assert max(width, height) <= render.MAX_PIXELS
+    # What dot drew is what was predicted to fit: within the area limit, give or take a half.
+    assert width * height / 96**2 <= 1.5 * render.PNG_AREA
+    depth = int(re.search(r"below depth (\d)", str(caught[0].message)).group(1))
+    deeper = render.collapse(G, depth + 1)
+    w, h = _dot_size(render.to_pydot(deeper).to_string())
+    assert w * h / 72**2 > render.PNG_AREA  # one level deeper would not have fit
