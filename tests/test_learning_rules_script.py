@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "learning_rules.py"
 def _load():
     spec = importlib.util.spec_from_file_location("learning_rules", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
     spec.loader.exec_module(module)
     return module
 

@@ -91,6 +91,21 @@ def test_sign_symmetry_by_hand(variant):
         assert torch.equal(seen[0], seen[1])  # uniform, or drawn once
 
 
+def test_a_brsf_step_can_be_routed_again_with_its_magnitudes():
+    """route_credit(feedback=router.feedback) replays brSF's latest draw; without it, a new one."""
+    model = _mlp(5, 7, 3)
+    x, e = torch.randn(3, 5, dtype=f64), torch.eye(3, dtype=f64)
+    router, (res,) = _route(model, x, "brsf", e)
+    G = fxnx.convert(model, x)
+    again = fxnx.route_credit(G, model, x, rule="brsf", output_credit=e, feedback=router.feedback)
+    assert torch.equal(again.node_credit["_1"], model[2].weight.detach().sign() * router.feedback["_2"])
+    assert torch.equal(again.node_credit["_1"], res.node_credit["_1"])
+    fresh = fxnx.route_credit(G, model, x, rule="brsf", output_credit=e, seed=1)
+    assert not torch.equal(fresh.node_credit["_1"].abs(), router.feedback["_2"])
+    with pytest.raises(fxnx.FxnxValueError, match="uses sign"):
+        fxnx.route_credit(G, model, x, rule="usf", feedback=router.feedback)
+
+
 def test_direct_feedback_alignment_by_hand():
     model = _mlp(5, 7, 6, 3)  # Linear, Tanh, Linear, Tanh, Linear
     x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)

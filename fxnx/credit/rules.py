@@ -223,6 +223,8 @@ class SignSymmetry(Rule):
     -----
     ``sign(W)`` is read at every step, so it follows the weights as they learn.
     :attr:`feedback` holds ``M``: the fixed one (frSF) or the latest draw (brSF).
+    Feedback given to brSF (``route_credit(..., feedback=router.feedback)``) is
+    used for the first step routed, so one step can be routed again as it was.
     """
 
     def __init__(
@@ -248,26 +250,30 @@ class SignSymmetry(Rule):
         seed = seed if self.seed is None else self.seed
         bound = copy.copy(self)
         bound._gens = {p: _generator(seed, _key(call, p)) for p in weights}
+        bound._pending = None
         if self.magnitude == "fixed_random":
             bound._magnitudes = (
                 _given(call, weights, feedback) if feedback is not None
                 else {p: _fresh(W.shape, W, bound._gens[p]).abs() for p, W in weights.items()}
             )
             bound.feedback = _public(bound._magnitudes)
+        elif feedback is not None and self.magnitude == "batch_random":
+            # The magnitudes of one step (CreditRouter.feedback after it), to route that step
+            # again; later steps draw afresh.
+            bound._pending = _given(call, weights, feedback)
         elif feedback is not None:
             raise FxnxValueError(
-                f"feedback was given for node {call.name!r}, but {self.name} "
-                + ("redraws its magnitudes every step" if self.magnitude == "batch_random"
-                   else "uses sign(W) alone")
+                f"feedback was given for node {call.name!r}, but {self.name} uses sign(W) alone"
             )
         return bound
 
     def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
         weights = feedback_weights(call)
         if self.magnitude == "batch_random":
-            self._magnitudes = {
+            self._magnitudes = self._pending or {
                 p: _fresh(W.shape, W, self._gens[p]).abs() for p, W in weights.items()
             }
+            self._pending = None
             self.feedback = _public(self._magnitudes)
         B = {
             p: W.detach().sign() if self.magnitude == "uniform"
