@@ -70,7 +70,7 @@ class Run:
     rule: str
     steps: list[int] = field(default_factory=list)
     metric: list[float] = field(default_factory=list)
-    train_loss: float = float("nan")
+    train_loss: float = float("nan")  # mean over the last 100 steps
     seconds: float = 0.0
     angles: dict[str, list[float]] = field(default_factory=dict)  # weight name -> angle per probe
 
@@ -161,6 +161,7 @@ def train(task: Task, rule: str, steps: int, seed: int, probe_every: int, angles
     run = Run(rule)
     weights = [name for name, p in model.named_parameters() if p.dim() == 2]
     elapsed = 0.0
+    recent: list[float] = []
     for step in range(steps + 1):
         if step % probe_every == 0 or step == steps:
             with torch.no_grad():
@@ -178,7 +179,8 @@ def train(task: Task, rule: str, steps: int, seed: int, probe_every: int, angles
         router.backward(loss)
         opt.step()
         elapsed += time.perf_counter() - start
-        run.train_loss = loss.item()
+        recent = [*recent[-99:], loss.item()]
+    run.train_loss = sum(recent) / max(1, len(recent))
     run.seconds = elapsed
     return run
 
@@ -206,7 +208,7 @@ def _probe_angles(
 def table(results: dict[str, list[Run]], tasks: dict[str, Task]) -> str:
     """The results as a Markdown table."""
     lines = [
-        "| task | rule | steps | final training loss | final test metric | seconds |",
+        "| task | rule | steps | training loss (last 100 steps) | final test metric | seconds |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for name, runs in results.items():
@@ -237,22 +239,36 @@ def plot_loss(results: dict[str, list[Run]], tasks: dict[str, Task], path: Path)
 
 
 def plot_alignment(runs: list[Run], path: Path) -> None:
-    """One panel per rule (exact left out: 0 degrees): the angle per weight over training."""
+    """One panel per rule: the angle per hidden layer's weight over training.
+
+    Exact credit (0 degrees everywhere) and the readout layer (its weight credit is the
+    exact one under every rule: 0 degrees) are left out.
+    """
     runs = [run for run in runs if run.rule != "exact" and run.angles]
-    fig, axes = plt.subplots(1, len(runs), figsize=(2.4 * len(runs), 2.6), sharey=True,
-                             squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
-        probes = run.steps[: len(next(iter(run.angles.values())))]
-        for i, (name, angle) in enumerate(run.angles.items()):
-            ax.plot(probes, angle, label=name.removesuffix(".weight"), lw=1.3,
-                    color=plt.cm.viridis(i / max(1, len(run.angles) - 1)))
+    cols = 3
+    rows = -(-(len(runs) + 1) // cols)  # one cell more for the legend
+    fig, axes = plt.subplots(rows, cols, figsize=(7.0, 2.2 * rows), sharey=True, squeeze=False)
+    cells = list(axes.flat)
+    hidden = list(runs[0].angles)[:-1]  # the readout's weight credit is exact: 0 degrees
+    for ax, run in zip(cells, runs, strict=False):
+        probes = run.steps[: len(run.angles[hidden[0]])]
+        for i, name in enumerate(hidden):
+            ax.plot(probes, run.angles[name], label=name.removesuffix(".weight"), lw=1.3,
+                    color=plt.cm.viridis(i / max(1, len(hidden) - 1) * 0.85))
         ax.set_title(run.rule.replace("_", " "), fontsize=9)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step", fontsize=8)
         ax.axhline(90, color="0.6", lw=0.8, ls=":")
         ax.set_ylim(0, 100)
+        ax.set_yticks([0, 30, 60, 90])
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("angle to backprop's\nweight credit (degrees)")
-    axes[0][-1].legend(fontsize=7, frameon=False, title="layer", title_fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("angle (degrees)")
+    handles, labels = cells[0].get_legend_handles_labels()
+    for ax in cells[len(runs):]:
+        ax.axis("off")
+    cells[-1].legend(handles, labels, loc="center", fontsize=8, frameon=False,
+                     title="hidden layer's weight credit\nvs backprop's (teacher task)",
+                     title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=200)
     plt.close(fig)
