@@ -135,7 +135,7 @@ def routes(text: str) -> str | tuple[str, ...]:
 
 
 def rule(text: str) -> str:
-    """The name of a registered credit rule preset (``exact``, ``feedback_alignment``, ...)."""
+    """The name of a credit rule preset in ``fxnx.PRESETS`` (``exact``, ``usf``, ...)."""
     from .credit import PRESETS
 
     if text not in PRESETS:

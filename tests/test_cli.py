@@ -466,3 +466,12 @@ def test_a_file_name_too_long_for_the_system_is_one_line(tmp_path, capsys):
         main(["draw", str(tmp_path / "g.pkl"), "-o", long])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "Traceback" not in err and "File name too long" in err
+
+
+def test_credit_help_names_every_preset(capsys):
+    """The --rule help is written out (the CLI imports no torch to print it): it must not drift."""
+    with pytest.raises(SystemExit):
+        main(["credit", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    named = help_text.split("credit rule preset: ")[1].split(" (default")[0].split(" --")[0]
+    assert sorted(name.strip(" ,.") for name in named.split(", ")) == sorted(fxnx.PRESETS)
