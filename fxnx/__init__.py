@@ -56,6 +56,8 @@ from .plot import plot_alignment, plot_census, plot_credit_by_depth
 from .render import GraphvizNotFoundError, draw, to_pydot
 
 if TYPE_CHECKING:
+    from .capturing import FIXED_KWARGS, TRACING_LOCK, Capture, CaptureOptions, capture
+    from .conversion import convert, graph_from_capture
     from .credit import (
         PRESETS,
         CreditResult,
@@ -71,13 +73,12 @@ if TYPE_CHECKING:
         route_credit,
         sign_symmetry,
     )
-    from .dataflow import convert, graph_from_capture
-    from .tracing import FIXED_KWARGS, TRACING_LOCK, Capture, capture
 
 __all__ = [
     "Attribute",
     "Capture",
     "CaptureError",
+    "CaptureOptions",
     "CreditResult",
     "EDGE_ATTRIBUTES",
     "FIXED_KWARGS",
@@ -148,12 +149,13 @@ _LAZY = {
     "exact": "credit",
     "feedback_alignment": "credit",
     "sign_symmetry": "credit",
-    "convert": "dataflow",
-    "graph_from_capture": "dataflow",
-    "Capture": "tracing",
-    "FIXED_KWARGS": "tracing",
-    "TRACING_LOCK": "tracing",
-    "capture": "tracing",
+    "convert": "conversion",
+    "graph_from_capture": "conversion",
+    "Capture": "capturing",
+    "CaptureOptions": "capturing",
+    "FIXED_KWARGS": "capturing",
+    "TRACING_LOCK": "capturing",
+    "capture": "capturing",
 }
 
 

@@ -229,6 +229,13 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
     "inputs": _records(name=_scalar(str), shape=_nested(_shape_leaf), dtype=_nested(_str_or_none)),
     "primals": _mapping(lambda v: _record({"kind": _enum("parameter", "buffer", "input"),
                                            "name": _scalar(str)}, v)),
+    "capture options": lambda v: _record(
+        {"routes": _str_list, "route": _str_or_none, "leaf_modules": _str_list,
+         "concrete_args": lambda c: _got(c) if type(c) is not dict else _plain(c),
+         "level": _enum("module", "aten", "joint"), "leaf_on_failure": _scalar(bool),
+         "opaque": _str_list},
+        v,
+    ),
     "skip connections": _records(merge=_scalar(str), fork=_scalar(str), skip=_str_list,
                                  residual=_str_list),
 }
@@ -251,6 +258,11 @@ GRAPH_ATTRIBUTES = (
     Attribute("capture", "str", "always",
               "route that captured the graph: symbolic_trace, graph_module, export, "
               "draft_export or make_fx"),
+    Attribute("capture_options", "capture options", "always",
+              "every option that made the graph, so it can be captured again exactly: "
+              "{routes: tried in order, route: the one that won, leaf_modules: paths, "
+              "class:<qualified name> and torch.nn, concrete_args, level, leaf_on_failure, "
+              "opaque: submodules kept whole because tracing failed}"),
     Attribute("capture_failures", "dict str -> str", "always",
               "route to why it failed, for the routes tried before capture"),
     Attribute("level", "level", "always", "module, aten or joint"),

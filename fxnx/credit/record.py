@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .._callinfo import bind_call, fetch_attr, occurrences
 from .._compat import pytree
-from .._shapes import node_failure
+from ..capturing.shapes import node_failure
 
 __all__ = ["NodeCall", "record"]
 

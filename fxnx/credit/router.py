@@ -20,13 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import pytree
-from .._reuse import recapture
-from .._routes import ROUTES
 from .._state import preserved
 from ..analysis import topological_order
+from ..capturing import TRACING_LOCK
+from ..capturing.options import LeafSpec
+from ..capturing.reuse import recapture
 from ..contract import validate
 from ..errors import FxnxTypeError, FxnxValueError
-from ..tracing import TRACING_LOCK, LeafSpec
 from .record import Credit, NodeCall, record
 from .rules import PRESETS, RoutingState, Rule, exact, lookup
 
@@ -155,12 +155,9 @@ def route_credit(
             "parameters themselves; route credit over a graph from convert(model, x) at "
             "level='module' (symbolic_trace, export or draft_export)"
         )
-    cap = recapture(  # the capture behind G, reused while model and inputs keep their structure
-        G, model, inputs, kwargs, concrete_args=concrete_args,
-        leaf_modules=leaf_modules if isinstance(leaf_modules, (str, type)) else tuple(leaf_modules),
-        routes=route if route in ROUTES else "auto",
-        leaf_on_failure=bool(G.graph.get("opaque_modules")),
-    )
+    # The capture behind G, with the options stored in G (those given here replace them),
+    # reused while model and inputs keep their structure.
+    cap = recapture(G, model, inputs, kwargs, leaf_modules=leaf_modules, concrete_args=concrete_args)
     _check_nodes(G, [node.name for node in cap.gm.graph.nodes])
     named = model.named_parameters() if isinstance(model, nn.Module) else ()
     param_names = {id(p): name for name, p in named}
