@@ -61,10 +61,13 @@ def _check_against_hooks(G, model, *args, **kwargs):
 
 def _check_exact_credit(G, model, inputs, kwargs=None):
     kwargs = kwargs or {}
-    res = fxnx.route_credit(G, model, *inputs, kwargs=kwargs)
     ref = copy.deepcopy(model)
     leaves = [x.clone().requires_grad_() for x in inputs]
-    grads = torch.autograd.grad(ref(*leaves, **kwargs).sum(), [*leaves, *ref.parameters()])
+    out = ref(*leaves, **kwargs)
+    # Random credit at the output: a plain sum through a final LayerNorm has no gradient.
+    weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(out, [*leaves, *ref.parameters()], weights)
+    res = fxnx.route_credit(G, model, *inputs, kwargs=kwargs, output_credit=weights)
     names = [i["name"] for i in G.graph["inputs"]]
     for name, g in zip(names, grads[: len(inputs)], strict=False):
         assert (res.node_credit[name] - g).norm() <= 1e-12 * g.norm(), name
@@ -96,7 +99,7 @@ def test_encoder_with_a_padding_mask_and_a_causal_mask(norm_first):
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[1, 3:] = True
-    causal = nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
     kwargs = {"mask": causal, "src_key_padding_mask": pad}
     G = fxnx.convert(model, x, kwargs=kwargs)
     assert G.graph["opaque_modules"] == []

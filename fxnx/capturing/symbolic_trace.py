@@ -27,9 +27,12 @@ from ..errors import CaptureError, FxnxValueError, first_line
 from .common import Route, RouteResult
 from .inputs import Inputs
 from .options import CLASS_PREFIX, TORCH_NN, CaptureOptions
-from .tracer import Tracer, fastpath_disabled, is_torch_nn
+from .tracer import NeedValue, Tracer, evaluate, is_torch_nn, torch_nn_traceable
 
 __all__ = ["ROUTE", "copy_graph_module"]
+
+#: Checks on input values answered in one trace before giving up.
+_MAX_ANSWERS = 1000
 
 
 def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:
@@ -68,22 +71,32 @@ def _trace(
     """Trace, retrying with each failing submodule kept whole where that is allowed."""
     leaves = _checked_leaves(model, options.leaf_modules)
     opaque: list[str] = []
+    answers: list[Any] = []
     # torch.fx runs code on buffers as it traces (timm's BatchNormAct2d counts batches with
     # num_batches_tracked.add_(1)): the model's buffers are restored afterwards.
-    with preserved(model), _no_new_attributes(model), fastpath_disabled():
+    with preserved(model), _no_new_attributes(model), torch_nn_traceable():
         while True:
-            tracer = Tracer(leaves + tuple(opaque), values)
+            tracer = Tracer(leaves + tuple(opaque), answers if values is not None else None)
             try:
                 graph = tracer.trace(model, concrete_args or None)
                 break
+            except NeedValue as need:  # a check in a torch.nn composite: answer, trace again
+                if len(answers) >= _MAX_ANSWERS:
+                    raise CaptureError(
+                        f"torch.fx could not trace {type(model).__qualname__}: more than "
+                        f"{_MAX_ANSWERS} checks on input values"
+                    ) from None
+                assert values is not None
+                answers.append(need.convert(evaluate(tracer, need.node, values)))
             except Exception as err:
                 failing = _failing_submodule(tracer, options.leaf_on_failure)
                 if not failing or failing in opaque:
                     raise CaptureError(_explain_trace_failure(model, tracer, err)) from err
                 opaque.append(failing)
+                answers = []  # the checks met before may differ with the submodule whole
         name = type(model).__name__ if isinstance(model, nn.Module) else model.__name__
         try:
-            return fx.GraphModule(tracer.root, graph, name), opaque, tracer.evaluated
+            return fx.GraphModule(tracer.root, graph, name), opaque, bool(answers)
         except Exception as err:  # torch.fx traced something it cannot turn into code
             raise CaptureError(
                 f"torch.fx traced {name} but could not compile the graph: "

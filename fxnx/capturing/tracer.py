@@ -13,9 +13,10 @@ Leaf rule (what stays one ``call_module`` node):
 
 torch's composites check their inputs in Python (``if src.dim() != 3``,
 ``len(src.size())``, ``src.is_nested``), which a symbolic proxy cannot answer.
-Inside a composite the tracer answers such a check by running the part of the
-graph it depends on with the example inputs, so the graph follows the
-example's shapes (``shape_specialised``). Without example inputs, or outside
+Inside a composite such a check is answered by running the part of the graph
+it depends on with the example inputs (after the trace, then tracing again
+with the answer), so the graph follows the example's shapes
+(``shape_specialised``). Without example inputs, or outside
 ``torch.nn``'s own code, it does what torch.fx does: the trace fails, and the
 ladder keeps a failing composite whole.
 """
@@ -23,16 +24,19 @@ ladder keeps a failing composite whole.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from .._compat import mask_helpers
 from .options import CLASS_PREFIX, TORCH_NN, qualified_class_name
 
-__all__ = ["KEPT_WHOLE", "Tracer", "fastpath_disabled", "is_torch_nn"]
+__all__ = ["KEPT_WHOLE", "NeedValue", "Tracer", "evaluate", "is_torch_nn", "torch_nn_traceable"]
 
 #: ``torch.nn`` modules with submodules that stay whole anyway: ``nn.MultiheadAttention``'s
 #: forward is one functional call with much control flow (and its own fast path).
@@ -45,13 +49,24 @@ def is_torch_nn(module: nn.Module) -> bool:
     return name.startswith(("torch.nn", "torch.ao.nn"))
 
 
+class NeedValue(Exception):  # noqa: N818 - a request, not an error
+    """Raised out of a trace when a check in a torch.nn composite needs a value: the
+    tracer's patches on torch are undone once the trace ends, so the value is computed
+    then, and the trace restarts with it as an answer."""
+
+    def __init__(self, node: fx.Node, convert: Callable[[Any], Any]) -> None:
+        super().__init__(f"fxnx needs the value of {node.name}")
+        self.node = node
+        self.convert = convert
+
+
 class _Proxy(fx.Proxy):
     """A proxy whose ``len()`` the tracer may answer (``len(src.size())`` in torch.nn)."""
 
     def __len__(self) -> int:
         tracer = self.tracer
-        if isinstance(tracer, Tracer) and tracer.can_evaluate():
-            return len(tracer.evaluate(self.node))
+        if isinstance(tracer, Tracer) and tracer.can_answer():
+            return tracer.answer(self.node, len)
         return super().__len__()
 
 
@@ -62,20 +77,20 @@ class Tracer(fx.Tracer):
     ----------
     leaf_modules : tuple of str
         Paths, ``"class:<qualified name>"`` entries and ``"torch.nn"``.
-    values : mapping or None
-        Each ``forward`` parameter's example value, to answer checks; None: never answer.
+    answers : list or None
+        The answers to the checks met so far, in order (see :class:`NeedValue`);
+        None: answer none, as torch.fx does.
     """
 
-    def __init__(self, leaf_modules: tuple[str, ...], values: Mapping[str, Any] | None) -> None:
+    def __init__(self, leaf_modules: tuple[str, ...], answers: list[Any] | None) -> None:
         super().__init__()
         self.leaf_paths = frozenset(s for s in leaf_modules if not s.startswith(CLASS_PREFIX))
         self.leaf_classes = frozenset(
             s[len(CLASS_PREFIX) :] for s in leaf_modules if s.startswith(CLASS_PREFIX)
         )
         self.torch_nn_whole = TORCH_NN in leaf_modules
-        self.values = values
-        #: Whether a check was answered from the example: the graph holds for its shapes.
-        self.evaluated = False
+        self.answers = answers
+        self.asked = 0
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths:
@@ -89,7 +104,7 @@ class Tracer(fx.Tracer):
         return is_torch_nn(m) and not self.traced_into(m)
 
     def traced_into(self, m: nn.Module) -> bool:
-        """Whether a torch.nn module is a composite the default rule traces into."""
+        """Whether a torch.nn module is a composite the leaf rule traces into."""
         if isinstance(m, nn.Sequential):
             return True
         return (
@@ -102,13 +117,13 @@ class Tracer(fx.Tracer):
         return _Proxy(node, self)
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        if self.can_evaluate():
-            return bool(self.evaluate(obj.node))
+        if self.can_answer():
+            return self.answer(obj.node, bool)
         return super().to_bool(obj)
 
-    def can_evaluate(self) -> bool:
+    def can_answer(self) -> bool:
         """Whether the code running now is a torch.nn composite's own, and inputs are known."""
-        if self.values is None:
+        if self.answers is None:
             return False
         stack = list(self.module_stack.values())
         if stack and stack[-1]:
@@ -117,43 +132,70 @@ class Tracer(fx.Tracer):
             return cls.__module__.startswith(("torch.nn", "torch.ao.nn"))
         return isinstance(self.root, nn.Module) and is_torch_nn(self.root)
 
-    def evaluate(self, node: fx.Node) -> Any:
-        """Run the part of the graph traced so far that ``node`` depends on, on the example."""
-        needed: set[fx.Node] = set()
-        todo = [node]
-        while todo:
-            n = todo.pop()
-            if n not in needed:
-                needed.add(n)
-                todo.extend(n.all_input_nodes)
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for n in self.graph.nodes:
-            if n in needed:
-                env[n] = graph.node_copy(n, env.__getitem__)
-        graph.output(env[node])
-        assert self.values is not None
-        args = [self._value_of(str(n.target)) for n in graph.nodes if n.op == "placeholder"]
-        with torch.no_grad():
-            result = fx.Interpreter(fx.GraphModule(self.root, graph)).run(*args)
-        self.evaluated = True
-        return result
+    def answer(self, node: fx.Node, convert: Callable[[Any], Any]) -> Any:
+        """The next known answer, or :class:`NeedValue` for ``node``'s value."""
+        assert self.answers is not None
+        if self.asked < len(self.answers):
+            self.asked += 1
+            return self.answers[self.asked - 1]
+        raise NeedValue(node, convert)
 
-    def _value_of(self, target: str) -> Any:
-        assert self.values is not None
-        name = target.lstrip("*")
-        if name not in self.values:  # torch.fx renames a placeholder that clashes: x_1
-            name = name.rpartition("_")[0]
-        return self.values[name]
+
+def evaluate(tracer: fx.Tracer, node: fx.Node, values: Mapping[str, Any]) -> Any:
+    """Run the part of ``tracer``'s graph that ``node`` depends on, on the example values
+    (``values``: each ``forward`` parameter's), after the trace has ended."""
+    needed: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in tracer.graph.nodes:
+        if n in needed:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[node])
+    args = []
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            name = str(n.target).lstrip("*")
+            if name not in values:  # torch.fx renames a placeholder that clashes: x_1
+                name = name.rpartition("_")[0]
+            args.append(values[name])
+    with torch.no_grad():
+        return fx.Interpreter(fx.GraphModule(tracer.root, graph)).run(*args)
 
 
 @contextlib.contextmanager
-def fastpath_disabled() -> Iterator[None]:
-    """Turn off torch's fused transformer fast path while tracing, so that composites take
-    the path made of their submodules (the fast path is one fused operator)."""
+def torch_nn_traceable() -> Iterator[None]:
+    """While tracing: torch's fused transformer fast path off, so that composites take the
+    path made of their submodules, and torch.nn's mask helpers recorded as calls in the
+    graph when given a proxy (they check ``isinstance(mask, Tensor)``)."""
     enabled = torch.backends.mha.get_fastpath_enabled()
+    saved = [(owner, name, getattr(owner, name)) for owner, name in mask_helpers()]
     torch.backends.mha.set_fastpath_enabled(False)
+    for owner, name, fn in saved:
+        setattr(owner, name, _recorded(fn))
     try:
         yield
     finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
         torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, recorded as one ``call_function`` node when its first argument (the mask) is a
+    proxy; called as it is otherwise (``_canonical_mask(None, ...)`` is None whatever else)."""
+    first = next(iter(inspect.signature(fn).parameters))
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        value = args[0] if args else kwargs.get(first)
+        if isinstance(value, fx.Proxy):
+            return value.tracer.create_proxy("call_function", fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return call
