@@ -40,7 +40,7 @@ from .inputs import Inputs
 from .options import CaptureOptions
 from .shapes import metadata_from_values
 
-__all__ = ["ROUTE", "AtenCapture", "capture_aten", "reads_tensor_values"]
+__all__ = ["AtenCapture", "ROUTE", "capture_aten", "reads_tensor_values"]
 
 _MODULES = "fxnx_module_stack"
 _PHASE = "fxnx_phase"

@@ -24,6 +24,8 @@ __all__ = [
     "LeafSpec",
     "TORCH_NN",
     "UNSTORED",
+    "check_level",
+    "concrete_items",
     "leaf_names",
     "qualified_class_name",
 ]
