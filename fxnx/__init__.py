@@ -56,6 +56,8 @@ from .plot import plot_alignment, plot_census, plot_credit_by_depth
 from .render import GraphvizNotFoundError, draw, to_pydot
 
 if TYPE_CHECKING:
+    from .capturing import FIXED_KWARGS, TRACING_LOCK, Capture, CaptureOptions, capture
+    from .conversion import convert, graph_from_capture
     from .credit import (
         PRESETS,
         CreditResult,
@@ -73,13 +75,12 @@ if TYPE_CHECKING:
         method,
         route_credit,
     )
-    from .dataflow import convert, graph_from_capture
-    from .tracing import FIXED_KWARGS, TRACING_LOCK, Capture, capture
 
 __all__ = [
     "Attribute",
     "Capture",
     "CaptureError",
+    "CaptureOptions",
     "CreditResult",
     "CreditRouter",
     "DirectFeedbackAlignment",
@@ -154,12 +155,13 @@ _LAZY = {
     "credit_norm": "credit",
     "method": "credit",
     "route_credit": "credit",
-    "convert": "dataflow",
-    "graph_from_capture": "dataflow",
-    "Capture": "tracing",
-    "FIXED_KWARGS": "tracing",
-    "TRACING_LOCK": "tracing",
-    "capture": "tracing",
+    "convert": "conversion",
+    "graph_from_capture": "conversion",
+    "Capture": "capturing",
+    "CaptureOptions": "capturing",
+    "FIXED_KWARGS": "capturing",
+    "TRACING_LOCK": "capturing",
+    "capture": "capturing",
 }
 
 

@@ -122,7 +122,7 @@ def routes(text: str) -> str | tuple[str, ...]:
     """
     if text == "auto":
         return text
-    from ._routes import ROUTES
+    from .capturing.registry import ROUTES
 
     names = tuple(text.split(","))
     unknown = [name for name in names if name not in ROUTES]

@@ -32,6 +32,7 @@ __all__ = [
     "extract_tensor_metadata",
     "is_fake",
     "make_fx_following_values",
+    "mask_helpers",
     "method_schema_signatures",
     "op_schema",
     "pytree",
@@ -42,6 +43,11 @@ __all__ = [
 
 #: (private name, what fxnx uses it for, what happens when it is missing)
 PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
+    (
+        "torch.nn.functional._canonical_mask, torch.nn.functional._none_or_dtype",
+        "tracing into torch.nn's transformer layers called with masks: recorded as calls",
+        "a torch.nn transformer composite called with masks is kept whole (opaque)",
+    ),
     (
         "torch.utils._pytree",
         "flattening nested inputs, outputs and credits (tree_flatten, tree_map, keystr)",
@@ -224,3 +230,11 @@ def sequence_nr(grad_fn: Any) -> int | None:
     """The sequence number an autograd node shares with the forward op that made it."""
     method = getattr(grad_fn, "_sequence_nr", None)
     return method() if method is not None else None
+
+
+def mask_helpers() -> list[tuple[Any, str]]:
+    """(module, name) of the helpers torch.nn's transformer layers call on their masks,
+    which check ``isinstance(mask, torch.Tensor)`` and so cannot take a tracer's proxy."""
+    functional = torch.nn.functional
+    return [(functional, name) for name in ("_canonical_mask", "_none_or_dtype")
+            if callable(getattr(functional, name, None))]

@@ -180,7 +180,7 @@ def _status(text: str, end: str = "\n") -> None:
 
 def _convert(args: argparse.Namespace) -> int:
     from ._models import example_input, load_model, model_for
-    from .dataflow import convert
+    from .conversion import convert
 
     plan = _outputs(args)
     inputs = () if args.input_shape is None else (example_input(args.input_shape, args.dtype),)
@@ -282,8 +282,8 @@ def _draw(args: argparse.Namespace) -> int:
 
 def _credit(args: argparse.Namespace) -> int:
     from ._models import example_input, load_model, model_for
+    from .conversion import convert
     from .credit import route_credit
-    from .dataflow import convert
     from .render import draw
 
     if args.graph is not None and args.graph.resolve() == args.output.resolve():

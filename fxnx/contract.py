@@ -31,7 +31,8 @@ __all__ = [
 ]
 
 #: The version of this contract. A reader refuses a newer one: an attribute may have changed meaning.
-FORMAT_VERSION = 1
+#: 2 added ``capture_options``; graphs of version 1 are still read (they lack it).
+FORMAT_VERSION = 2
 
 #: How deeply an attribute's value may nest (lists in dicts in tuples ...).
 MAX_DEPTH = 32
@@ -229,6 +230,13 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
     "inputs": _records(name=_scalar(str), shape=_nested(_shape_leaf), dtype=_nested(_str_or_none)),
     "primals": _mapping(lambda v: _record({"kind": _enum("parameter", "buffer", "input"),
                                            "name": _scalar(str)}, v)),
+    "capture options": lambda v: _record(
+        {"routes": _str_list, "route": _str_or_none, "leaf_modules": _str_list,
+         "concrete_args": lambda c: _got(c) if type(c) is not dict else _plain(c),
+         "level": _enum("module", "aten", "joint"), "leaf_on_failure": _scalar(bool),
+         "opaque": _str_list},
+        v,
+    ),
     "skip connections": _records(merge=_scalar(str), fork=_scalar(str), skip=_str_list,
                                  residual=_str_list),
 }
@@ -236,6 +244,7 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
 #: When an attribute is present, in the words docs/graph.md uses.
 PRESENCE = {
     "always": "always",
+    "format_2": "from format_version 2 on",
     "make_fx": "when capture is make_fx",
     "fixed_kwargs": "when fxnx set keyword inputs",
     "skip_connections": "after skip_connections",
@@ -251,6 +260,11 @@ GRAPH_ATTRIBUTES = (
     Attribute("capture", "str", "always",
               "route that captured the graph: symbolic_trace, graph_module, export, "
               "draft_export or make_fx"),
+    Attribute("capture_options", "capture options", "format_2",
+              "every option that made the graph, so it can be captured again exactly: "
+              "{routes: tried in order, route: the one that won, leaf_modules: paths, "
+              "class:<qualified name> and torch.nn, concrete_args, level, leaf_on_failure, "
+              "opaque: submodules kept whole because tracing failed}"),
     Attribute("capture_failures", "dict str -> str", "always",
               "route to why it failed, for the routes tried before capture"),
     Attribute("level", "level", "always", "module, aten or joint"),
@@ -341,28 +355,32 @@ def validate(G: Any) -> None:
     >>> validate(G)
     Traceback (most recent call last):
     ...
-    fxnx.errors.GraphContractError: G.graph['format_version'] is 2, newer than the 1 this fxnx knows: upgrade fxnx (pip install -U fxnx)
+    fxnx.errors.GraphContractError: G.graph['format_version'] is 3, newer than the 2 this fxnx knows: upgrade fxnx (pip install -U fxnx)
     """
     if not isinstance(G, nx.MultiDiGraph):
         raise GraphContractError(f"G must be a networkx.MultiDiGraph, got {_got(G)}")
     if type(G.graph) is not dict:
         raise GraphContractError(f"G.graph must be a dict of graph attributes, got {_got(G.graph)}")
     _check_version(G.graph.get("format_version", None), "format_version" in G.graph)
-    make_fx = G.graph.get("capture") == "make_fx"
-    _check_attributes(G.graph, _GRAPH, make_fx, "G.graph")
+    required = {"always"}
+    if G.graph.get("capture") == "make_fx":
+        required.add("make_fx")
+    if G.graph["format_version"] >= 2:
+        required.add("format_2")
+    _check_attributes(G.graph, _GRAPH, required, "G.graph")
     if not G:
         raise GraphContractError("G has no nodes: an fxnx graph has at least its output node")
     for node, data in G.nodes(data=True):
         if type(node) is not str:
             raise GraphContractError(f"node {_got(node)}: node names must be str")
-        _check_attributes(data, _NODE, make_fx, lambda node=node: f"node {_SHORT.repr(node)}")
+        _check_attributes(data, _NODE, required, lambda node=node: f"node {_SHORT.repr(node)}")
     for u, v, key, data in G.edges(keys=True, data=True):
         if type(key) is not int:
             raise GraphContractError(
                 f"edge {_SHORT.repr(u)} -> {_SHORT.repr(v)} key {_got(key)}: edge keys must be int"
             )
         _check_attributes(
-            data, _EDGE, make_fx,
+            data, _EDGE, required,
             lambda u=u, v=v, key=key: f"edge {_SHORT.repr(u)} -> {_SHORT.repr(v)} (key {key})",
         )
     if not nx.is_directed_acyclic_graph(G):
@@ -399,11 +417,14 @@ _GRAPH, _NODE, _EDGE = map(_table, (GRAPH_ATTRIBUTES, NODE_ATTRIBUTES, EDGE_ATTR
 
 
 def _check_attributes(
-    data: dict[str, Any], table: _Table, make_fx: bool, where: str | Callable[[], str]
+    data: dict[str, Any], table: _Table, required: set[str], where: str | Callable[[], str]
 ) -> None:
-    """Check one attribute dict; ``where`` names it in errors (a callable: spelt out only then)."""
+    """Check one attribute dict; ``where`` names it in errors (a callable: spelt out only then).
+
+    ``required``: the presence conditions (keys of :data:`PRESENCE`) that hold for this graph.
+    """
     for name, (_, _, present) in table.items():
-        if name not in data and (present == "always" or (present == "make_fx" and make_fx)):
+        if name not in data and present in required:
             raise GraphContractError(
                 f"{_spelt(where)} lacks attribute {name!r} ({PRESENCE[present]} present in fxnx graphs)"
             )

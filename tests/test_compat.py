@@ -127,7 +127,7 @@ def test_joint_graph_without_sequence_numbers(monkeypatch):
     """Without _sequence_nr, backward ops still get the scope their inputs share."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     x = torch.randn(2, 3)
-    monkeypatch.setattr("fxnx._aten.sequence_nr", lambda fn: None)
+    monkeypatch.setattr("fxnx.capturing.make_fx.sequence_nr", lambda fn: None)
     G = fxnx.convert(model, x, level="joint")
     backward = [d for _, d in G.nodes(data=True) if d["phase"] == "backward"]
     assert backward and G.graph["gradients"]["0.weight"] in G

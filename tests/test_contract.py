@@ -166,7 +166,7 @@ def test_empty_and_non_multidigraph_graphs_are_refused():
     ("version", "message"),
     [("2", "must be an int .*got str '2'"), (2.0, "got float 2.0"), (99.5, "got float 99.5"),
      (True, "got bool True"), (-1, "got int -1"), (None, "got NoneType"),
-     (fxnx.FORMAT_VERSION + 1, r"newer than the 1 this fxnx knows: upgrade fxnx \(pip install -U fxnx\)")],
+     (fxnx.FORMAT_VERSION + 1, r"newer than the 2 this fxnx knows: upgrade fxnx \(pip install -U fxnx\)")],
 )
 def test_format_version_must_be_an_int_this_fxnx_knows(version, message):
     G = _broken(_set_graph("format_version", version))
@@ -243,3 +243,23 @@ def test_contract_module_needs_no_torch():
     )
     assert done.returncode == 0, done.stderr
     assert "has no 'format_version'" in done.stdout
+
+
+def test_a_format_1_graph_without_capture_options_is_read_and_routed(tmp_path):
+    """Graphs written before format 2 lack capture_options: they load, and credit is still exact."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    del G.graph["capture_options"]
+    G.graph["format_version"] = 1
+    fxnx.write_pickle(G, tmp_path / "old.pkl")
+    old = fxnx.read_pickle(tmp_path / "old.pkl")
+    res = fxnx.route_credit(old, model, x)
+    x_ = x.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(model(x_).sum(), x_)
+    assert torch.allclose(res.node_credit["input_1"], expected, rtol=1e-12, atol=0)
+    G.graph["format_version"] = 2  # from format 2 on, it must be there
+    with pytest.raises(fxnx.GraphContractError, match="lacks attribute 'capture_options'"):
+        fxnx.validate(G)

@@ -12,11 +12,11 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._compat import pytree
-from .._reuse import recapture
-from .._routes import ROUTES
+from ..capturing import TRACING_LOCK
+from ..capturing.options import LeafSpec
+from ..capturing.reuse import recapture
 from ..contract import validate
 from ..errors import FxnxTypeError, FxnxValueError
-from ..tracing import TRACING_LOCK, LeafSpec
 from .plan import Plan, Tape, compile_plan
 from .presets import PRESETS, Preset, lookup
 from .record import NodeCall
@@ -65,7 +65,9 @@ class CreditRouter:
         Node name to feedback weights to use instead of drawing them (as in
         :attr:`feedback` of another router, or ``CreditResult.feedback``).
     leaf_modules, concrete_args
-        The tracing options ``G`` was converted with.
+        Rarely needed: ``G`` carries the options it was captured with
+        (``G.graph["capture_options"]``), and these replace the stored ones;
+        give ``concrete_args`` again only where they were not plain data.
 
     Raises
     ------
@@ -132,12 +134,8 @@ class CreditRouter:
         self.model = model
         self.seed = seed
         self._given = dict(feedback or {})
-        self._capture = {
-            "concrete_args": concrete_args,
-            "leaf_modules": leaf_modules if isinstance(leaf_modules, (str, type)) else tuple(leaf_modules),
-            "routes": route if route in ROUTES else "auto",
-            "leaf_on_failure": bool(G.graph.get("opaque_modules")),
-        }
+        # G carries the options it was captured with; these, when given, replace them.
+        self._capture = {"leaf_modules": leaf_modules, "concrete_args": concrete_args}
         self._plans: dict[tuple[int, bool], tuple[fx.GraphModule, Plan]] = {}
         self._bound: dict[tuple[str, int, int], Any] = {}
         self._plan: Plan | None = None

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from .._callinfo import bind_call, fetch_attr, occurrences
 from .._compat import pytree
-from .._shapes import node_failure
 from ..analysis import topological_order
+from ..capturing.shapes import node_failure
 from ..errors import FxnxValueError
 from .record import Credit, NodeCall, detached, fresh_leaf, run_node
 from .rules import RoutingState

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from .._compat import pytree
 from .._state import preserved
-from ..tracing import TRACING_LOCK, LeafSpec
+from ..capturing import TRACING_LOCK
+from ..capturing.options import LeafSpec
 from .engine import CreditRouter, output_credit_like
 from .result import CreditResult
 from .rules import RoutingState
@@ -72,7 +73,9 @@ def route_credit(
         Node name to feedback weights, to reuse or set them (``CreditResult.feedback``,
         ``CreditRouter.feedback``).
     leaf_modules, concrete_args
-        The tracing options ``G`` was converted with.
+        Rarely needed: ``G`` carries the options it was captured with
+        (``G.graph["capture_options"]``), and these replace the stored ones;
+        give ``concrete_args`` again only where they were not plain data.
 
     Returns
     -------

@@ -10,22 +10,19 @@ converter reads one kind of metadata whatever captured the graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch import nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from ._compat import FakeTensorMode, extract_tensor_metadata, is_fake, pytree
-from ._state import preserved
-from .errors import ShapePropagationError
+from .._compat import FakeTensorMode, extract_tensor_metadata, is_fake, pytree
+from .._state import preserved
+from ..errors import ShapePropagationError
+from .inputs import device_of
 
 __all__ = [
-    "device_of",
-    "empty_inputs",
     "metadata_from_values",
     "node_failure",
     "propagate",
@@ -94,23 +91,10 @@ def propagate(gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool) -> 
             _ShapeProp(gm).run(*inputs)
 
 
-def device_of(model: Any) -> torch.device:
-    if isinstance(model, nn.Module):
-        for tensor in (*model.parameters(), *model.buffers()):
-            return tensor.device
-    return torch.device("cpu")
-
-
 def shape_source(model: Any, fake: bool) -> str:
     if device_of(model).type == "meta":
         return "meta"
     return "FakeTensor" if fake else "ShapeProp"
-
-
-def empty_inputs(model: Any, input_shape: Sequence[Any], dtype: torch.dtype) -> tuple[Any, ...]:
-    shapes = [input_shape] if all(isinstance(d, int) for d in input_shape) else list(input_shape)
-    device = device_of(model)
-    return tuple(torch.empty(tuple(shape), dtype=dtype, device=device) for shape in shapes)
 
 
 def metadata_from_values(gm: fx.GraphModule) -> None:

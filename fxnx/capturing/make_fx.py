@@ -1,4 +1,4 @@
-"""ATen-level graphs with ``make_fx``: the forward pass, or forward and backward in one graph.
+"""The ``make_fx`` route, and ATen-level graphs: the forward pass, or forward and backward in one graph.
 
 The model runs under :func:`torch.func.functional_call` inside
 :func:`torch.fx.experimental.proxy_tensor.make_fx`, with its parameters,
@@ -32,13 +32,15 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.func import functional_call
 
-from ._compat import VALUE_READS, FakeTensorMode, make_fx_following_values, pytree, sequence_nr
-from ._routes import FunctionModule
-from ._shapes import metadata_from_values
-from ._state import preserved
-from .errors import CaptureError, FxnxValueError, first_line
+from .._compat import VALUE_READS, FakeTensorMode, make_fx_following_values, pytree, sequence_nr
+from .._state import preserved
+from ..errors import CaptureError, FxnxValueError, first_line
+from .common import FunctionModule, Route, RouteResult, as_module, quiet
+from .inputs import Inputs
+from .options import CaptureOptions
+from .shapes import metadata_from_values
 
-__all__ = ["AtenCapture", "capture_aten", "reads_tensor_values"]
+__all__ = ["AtenCapture", "ROUTE", "capture_aten", "reads_tensor_values"]
 
 _MODULES = "fxnx_module_stack"
 _PHASE = "fxnx_phase"
@@ -340,3 +342,16 @@ def _shared_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
             n += 1
         prefix = prefix[:n]
     return prefix
+
+
+def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:
+    """The route: the forward pass as ATen operators, shapes recorded as it runs."""
+    assert inputs is not None  # the ladder checks needs_inputs
+    with quiet():
+        result = capture_aten(
+            as_module(model), inputs.args, inputs.kwargs, joint=False, fake=fake
+        )
+    return RouteResult(result.gm, aten=result, specialised=result.specialised)
+
+
+ROUTE = Route(name="make_fx", level="aten", needs_inputs=True, run=_run)

@@ -2,15 +2,16 @@
 
 Capturing a model (tracing it, or running ``torch.export``) costs far more than
 one forward pass, and a training loop routes credit thousands of times over
-one model. :func:`recapture` keeps the captured graph on the graph object ``G``
+one model. :func:`recapture` captures it again with the options ``G`` stores
+(``G.graph["capture_options"]``), and keeps the captured graph on the graph object ``G``
 itself, outside its data (``vars(G)``, never ``G.graph``: files do not hold
 it, and it lives exactly as long as ``G`` does, with no global table that
 could keep a model alive), keyed by
 everything it depends on: the model, the capture options, the model's
 structure (module classes and identities, training modes, the modules' own
 plain attributes, parameter and buffer names, shapes, dtypes and devices) and
-the inputs' structure (shapes and dtypes of tensors, other values as they
-are). Parameter *values* may change between calls, as an optimizer changes
+the inputs' structure (dtypes of tensors and, unless the graph was specialised
+to the example's shapes, their shapes; other values as they are). Parameter *values* may change between calls, as an optimizer changes
 them in place; the graph reads them from the model's own modules and
 parameters at run time. When the structure changes (a module replaced, a
 parameter frozen, the training mode switched), the key changes and the model
@@ -19,17 +20,22 @@ is captured again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
 import torch
 from torch import nn
 
-from ._compat import pytree
-from .tracing import Capture, bind_inputs, capture, placeholder_values
+from .._compat import pytree
+from ..errors import FxnxValueError
+from .inputs import bind_inputs, placeholder_values
+from .ladder import Capture, capture
+from .options import CaptureOptions, LeafSpec, concrete_items, leaf_names
+from .registry import ROUTES
 
-__all__ = ["recapture"]
+__all__ = ["options_of", "recapture"]
 
 #: Where on ``G`` (as a Python attribute, not graph data) the captures are kept.
 _SLOT = "_fxnx_captures"
@@ -42,29 +48,69 @@ def recapture(
     model: nn.Module | Callable[..., Any],
     args: Sequence[Any],
     kwargs: Mapping[str, Any] | None,
-    **options: Any,
+    *,
+    leaf_modules: Iterable[LeafSpec] | LeafSpec = (),
+    concrete_args: Mapping[str, Any] | None = None,
 ) -> Capture:
-    """:func:`fxnx.tracing.capture` with ``propagate=False``, reusing an earlier capture
-    for ``G`` of the same model with the same structure, inputs and options."""
+    """The capture behind ``G``, without shapes: captured again with the options stored in
+    ``G.graph["capture_options"]``, or reused from an earlier call for ``G`` with the same
+    model structure, inputs and options.
+
+    ``leaf_modules`` and ``concrete_args``, when given, replace the stored ones
+    (a graph that could not store a ``concrete_args`` value needs it again).
+    """
+    options = options_of(G)
+    if leaf_modules:
+        options = dataclasses.replace(options, leaf_modules=leaf_names(leaf_modules))
+    if concrete_args:
+        options = dataclasses.replace(options, concrete_args=concrete_items(concrete_args))
+    if options.unstored:
+        raise FxnxValueError(
+            f"G was converted with concrete_args {options.unstored}, values a graph cannot "
+            "store; pass them again: route_credit(..., concrete_args={...})"
+        )
+    keywords = options.replay().keywords()
     if not isinstance(model, nn.Module):
-        return capture(model, args, kwargs, propagate=False, **options)
-    # A symbolic trace holds for any shape; torch.export and make_fx specialise to the example's.
-    shapes = options.get("routes") != "symbolic_trace"
-    key = (id(model), _options_key(options), _structure(model), _inputs_key(args, kwargs, shapes))
+        return capture(model, args, kwargs, propagate=False, **keywords)
+    base = (id(model), _options_key(keywords), _structure(model))
+    exact = (*base, _inputs_key(args, kwargs, shapes=True))
+    any_shape = (*base, _inputs_key(args, kwargs, shapes=False))
     kept = vars(G).get(_SLOT)
     if type(kept) is not _Captures:  # first use, or a graph unpickled with an empty dict
         kept = vars(G)[_SLOT] = _Captures()
-    cached = kept.get(key)
+    cached = kept.get(exact) or kept.get(any_shape)
     if cached is None:
-        cap = capture(model, args, kwargs, propagate=False, **options)
+        cap = capture(model, args, kwargs, propagate=False, **keywords)
         # The entry must not hold the model itself, or the weak key would never be freed.
-        kept[key] = Capture(**{**vars(cap), "model": None, "inputs": None})  # type: ignore[arg-type]
+        kept[exact if cap.shape_specialised else any_shape] = dataclasses.replace(
+            cap, model=None, inputs=None
+        )
         while len(kept) > _PER_GRAPH:
             del kept[next(iter(kept))]
         return cap
-    inputs = bind_inputs(model, args, kwargs, options.get("concrete_args"))
-    values = placeholder_values(inputs, cached.method, cached.gm)
-    return Capture(**{**vars(cached), "model": model, "inputs": values})
+    inputs = bind_inputs(model, args, kwargs, dict(options.concrete_args))
+    values = placeholder_values(inputs, cached.gm, cached.level)
+    return dataclasses.replace(cached, model=model, inputs=values)
+
+
+def options_of(G: nx.MultiDiGraph) -> CaptureOptions:
+    """The capture options stored in ``G`` (``G.graph["capture_options"]``).
+
+    Examples
+    --------
+    >>> import torch, fxnx
+    >>> G = fxnx.convert(torch.nn.ReLU(), torch.zeros(2), routes="export")
+    >>> options_of(G).replay().routes
+    ('export',)
+    """
+    if "capture_options" in G.graph:
+        return CaptureOptions.from_plain(G.graph["capture_options"])
+    # A graph of format 1 (before capture_options): its route, and what it kept whole.
+    route = G.graph.get("capture")
+    return CaptureOptions(
+        routes=(route,) if route in ROUTES else (), level=G.graph.get("level", "module"),
+        leaf_on_failure=bool(G.graph.get("opaque_modules")),
+    )
 
 
 class _Captures(dict):  # type: ignore[type-arg]

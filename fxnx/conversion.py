@@ -1,7 +1,7 @@
 """A captured fx graph as a ``networkx.MultiDiGraph`` of plain Python data.
 
 Nothing here runs the model: it reads the fx graph and the metadata that
-:mod:`fxnx.tracing` recorded. The attributes it writes are the graph contract: see
+:mod:`fxnx.capturing` recorded. The attributes it writes are the graph contract: see
 :mod:`fxnx.contract` and docs/graph.md.
 """
 
@@ -21,7 +21,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from ._callinfo import bind_call, fetch_attr, occurrences, qualified_name
 from ._version import FORMAT_VERSION, __version__
-from .tracing import Capture, LeafSpec, capture
+from .capturing import Capture, capture
+from .capturing.options import LeafSpec
 
 __all__ = ["convert", "graph_from_capture"]
 
@@ -30,7 +31,7 @@ def convert(
     model: nn.Module | Callable[..., Any],
     *example_inputs: Any,
     kwargs: Mapping[str, Any] | None = None,
-    leaf_modules: Iterable[LeafSpec] = (),
+    leaf_modules: Iterable[LeafSpec] | LeafSpec = (),
     concrete_args: Mapping[str, Any] | None = None,
     input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
     dtype: torch.dtype = torch.float32,
@@ -50,8 +51,12 @@ def convert(
         full structure and ``None`` for every shape and dtype.
     kwargs : mapping, optional
         Keyword inputs of ``model.forward``.
-    leaf_modules : iterable of module classes or qualified names, optional
+    leaf_modules : iterable of module classes or qualified names, or "torch.nn", optional
         Submodules to keep as single nodes instead of tracing through them.
+        By default torch's primitive layers (Linear, Conv, norms, activations,
+        ``nn.MultiheadAttention``) stay whole and its composites
+        (``nn.TransformerEncoder``, ``nn.Transformer``, containers) are traced
+        into; ``"torch.nn"`` keeps every ``torch.nn`` module whole, as torch.fx does.
     concrete_args : mapping, optional
         Inputs fixed to constants while tracing, as in ``torch.fx.symbolic_trace``.
     input_shape : shape or list of shapes, optional
@@ -72,7 +77,9 @@ def convert(
     routes : "auto", a route name, or a sequence of them
         How to capture when ``level="module"``: ``symbolic_trace``, then
         ``export`` (``torch.export``, non-strict), ``draft_export`` and
-        ``make_fx``, until one works; ``G.graph["capture"]`` names it. The
+        ``make_fx``, until one works; ``G.graph["capture"]`` names it, and
+        ``G.graph["capture_options"]`` keeps every option that made the graph,
+        so :func:`fxnx.route_credit` captures it again the same way. The
         fallbacks give ATen-level nodes that keep their module path in ``scope``.
     leaf_on_failure : bool
         Keep a submodule that symbolic tracing fails in as one opaque node
@@ -88,7 +95,7 @@ def convert(
     Raises
     ------
     FxnxTypeError, FxnxValueError, CaptureError, ShapePropagationError
-        See :func:`fxnx.tracing.capture`.
+        See :func:`fxnx.capture`.
 
     Examples
     --------
@@ -143,7 +150,7 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
     Examples
     --------
     >>> import torch
-    >>> from fxnx.tracing import capture
+    >>> from fxnx.capturing import capture
     >>> G = graph_from_capture(capture(torch.nn.ReLU()))
     >>> sorted(G.nodes), G.nodes["relu"]["out_shape"] is None
     (['input_1', 'output', 'relu'], True)
@@ -196,6 +203,7 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
         + sum(G.nodes[name]["num_params"] for name in primals),
         level=cap.level,
         capture_failures=dict(cap.failures),
+        capture_options=cap.options.to_plain(),
         opaque_modules=list(cap.opaque),
     )
     if cap.fixed_kwargs:

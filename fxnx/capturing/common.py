@@ -1,0 +1,110 @@
+"""What every capture route shares: the route record, its result, and small helpers.
+
+A route is a :class:`Route`: a name, the level of the graphs it makes, whether
+it needs example inputs, and a function ``run(model, inputs, options, fake)`` that
+returns a :class:`RouteResult` or raises :class:`~fxnx.errors.CaptureError`
+with one line saying why. :mod:`fxnx.capturing.registry` lists them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.fx as fx
+from torch import nn
+
+if TYPE_CHECKING:
+    from .inputs import Inputs
+    from .make_fx import AtenCapture
+    from .options import CaptureOptions
+
+__all__ = ["FunctionModule", "Route", "RouteResult", "as_module", "quiet"]
+
+
+@dataclass(frozen=True)
+class RouteResult:
+    """A route's graph, what it kept whole, and whether it holds for the example input only.
+
+    Attributes
+    ----------
+    gm : torch.fx.GraphModule
+    opaque : tuple of str
+        Submodules kept whole because tracing failed in them.
+    aten : AtenCapture or None
+        For ``make_fx``: what its inputs stand for.
+    specialised : bool
+        Control flow read a tensor's value: the graph follows the example's branches.
+    shape_specialised : bool
+        Control flow read a shape: the graph holds for the example's shapes.
+    """
+
+    gm: fx.GraphModule
+    opaque: tuple[str, ...] = ()
+    aten: AtenCapture | None = None
+    specialised: bool = False
+    shape_specialised: bool = True
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way to capture a model.
+
+    Attributes
+    ----------
+    name : str
+        What ``routes=`` calls it.
+    level : str
+        The level of its graphs: ``"module"`` (modules and functions as the model
+        calls them) or ``"aten"`` (ATen operators that keep their module path).
+    needs_inputs : bool
+        Whether it runs the model, so needs example inputs.
+    run : callable
+        ``run(model, inputs, options, fake) -> RouteResult``; ``fake``: run fake
+        tensors, not the example's values, where the route runs the model.
+    """
+
+    name: str
+    level: str
+    needs_inputs: bool
+    run: Callable[[Any, Inputs | None, CaptureOptions, bool], RouteResult]
+
+
+def as_module(model: nn.Module | Callable[..., Any]) -> nn.Module:
+    """``model`` itself, or a plain function wrapped as a module (``torch.export`` and
+    ``functional_call`` take only modules)."""
+    return model if isinstance(model, nn.Module) else FunctionModule(model)
+
+
+class FunctionModule(nn.Module):
+    """A plain function as a module; ``fn`` keeps the function and its signature."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence what torch prints while a route is tried; a failure is reported by the ladder."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with (
+            contextlib.redirect_stderr(io.StringIO()),
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,26 @@
+"""The ``draft_export`` route: :func:`torch.export.draft_export`.
+
+Like ``export``, and it also handles control flow on tensor *values*, which
+it specialises to the example input (the ladder warns when it did).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import Route, RouteResult
+from .export import export_graph
+from .inputs import Inputs
+from .make_fx import reads_tensor_values
+from .options import CaptureOptions
+
+__all__ = ["ROUTE"]
+
+
+def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:
+    assert inputs is not None  # the ladder checks needs_inputs
+    gm = export_graph(model, inputs, draft=True)
+    return RouteResult(gm, specialised=reads_tensor_values(gm))
+
+
+ROUTE = Route(name="draft_export", level="aten", needs_inputs=True, run=_run)

@@ -1,0 +1,201 @@
+"""The symbolic tracer: which modules stay whole, and checks inside ``torch.nn`` composites.
+
+Leaf rule (what stays one ``call_module`` node):
+
+- the user's ``leaf_modules``: submodule paths and classes (matched by
+  qualified name over each module's class hierarchy);
+- with ``"torch.nn"`` among them, torch.fx's own rule: every ``torch.nn``
+  module except ``nn.Sequential``;
+- otherwise, ``torch.nn`` *primitives*: modules without submodules (Linear,
+  Conv, norms, activations) and those in :data:`KEPT_WHOLE`. ``torch.nn``
+  *composites* (``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``,
+  ``nn.Transformer``, containers) are traced into.
+
+torch's composites check their inputs in Python (``if src.dim() != 3``,
+``len(src.size())``, ``src.is_nested``), which a symbolic proxy cannot answer.
+Inside a composite such a check is answered by running the part of the graph
+it depends on with the example inputs (after the trace, then tracing again
+with the answer), so the graph follows the example's shapes
+(``shape_specialised``). Without example inputs, or outside
+``torch.nn``'s own code, it does what torch.fx does: the trace fails, and the
+ladder keeps a failing composite whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .._compat import mask_helpers
+from .options import CLASS_PREFIX, TORCH_NN, qualified_class_name
+
+__all__ = ["KEPT_WHOLE", "NeedValue", "Tracer", "evaluate", "is_torch_nn", "torch_nn_traceable"]
+
+#: ``torch.nn`` modules with submodules that stay whole anyway: ``nn.MultiheadAttention``'s
+#: forward is one functional call with much control flow (and its own fast path).
+KEPT_WHOLE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+def is_torch_nn(module: nn.Module) -> bool:
+    """Whether ``module``'s class is torch's own (torch.fx's test for its leaf rule)."""
+    name = type(module).__module__
+    return name.startswith(("torch.nn", "torch.ao.nn"))
+
+
+class NeedValue(Exception):  # noqa: N818 - a request, not an error
+    """Raised out of a trace when a check in a torch.nn composite needs a value: the
+    tracer's patches on torch are undone once the trace ends, so the value is computed
+    then, and the trace restarts with it as an answer."""
+
+    def __init__(self, node: fx.Node, convert: Callable[[Any], Any]) -> None:
+        super().__init__(f"fxnx needs the value of {node.name}")
+        self.node = node
+        self.convert = convert
+
+
+class _Proxy(fx.Proxy):
+    """A proxy whose ``len()`` the tracer may answer (``len(src.size())`` in torch.nn)."""
+
+    def __len__(self) -> int:
+        tracer = self.tracer
+        if isinstance(tracer, Tracer) and tracer.can_answer():
+            return tracer.answer(self.node, len)
+        return super().__len__()
+
+
+class Tracer(fx.Tracer):
+    """torch.fx's tracer with fxnx's leaf rule and checks answered inside torch.nn composites.
+
+    Parameters
+    ----------
+    leaf_modules : tuple of str
+        Paths, ``"class:<qualified name>"`` entries and ``"torch.nn"``.
+    answers : list or None
+        The answers to the checks met so far, in order (see :class:`NeedValue`);
+        None: answer none, as torch.fx does.
+    """
+
+    def __init__(self, leaf_modules: tuple[str, ...], answers: list[Any] | None) -> None:
+        super().__init__()
+        self.leaf_paths = frozenset(s for s in leaf_modules if not s.startswith(CLASS_PREFIX))
+        self.leaf_classes = frozenset(
+            s[len(CLASS_PREFIX) :] for s in leaf_modules if s.startswith(CLASS_PREFIX)
+        )
+        self.torch_nn_whole = TORCH_NN in leaf_modules
+        self.answers = answers
+        self.asked = 0
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_paths:
+            return True
+        if self.leaf_classes and any(
+            qualified_class_name(c) in self.leaf_classes for c in type(m).__mro__
+        ):
+            return True
+        if self.torch_nn_whole:
+            return super().is_leaf_module(m, module_qualified_name)
+        return is_torch_nn(m) and not self.traced_into(m)
+
+    def traced_into(self, m: nn.Module) -> bool:
+        """Whether a torch.nn module is a composite the leaf rule traces into."""
+        if isinstance(m, nn.Sequential):
+            return True
+        return (
+            not self.torch_nn_whole
+            and not isinstance(m, KEPT_WHOLE)
+            and next(iter(m.children()), None) is not None
+        )
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        if self.can_answer():
+            return self.answer(obj.node, bool)
+        return super().to_bool(obj)
+
+    def can_answer(self) -> bool:
+        """Whether the code running now is a torch.nn composite's own, and inputs are known."""
+        if self.answers is None:
+            return False
+        stack = list(self.module_stack.values())
+        if stack and stack[-1]:
+            innermost = stack[-1][1]
+            cls = innermost if isinstance(innermost, type) else type(innermost)
+            return cls.__module__.startswith(("torch.nn", "torch.ao.nn"))
+        return isinstance(self.root, nn.Module) and is_torch_nn(self.root)
+
+    def answer(self, node: fx.Node, convert: Callable[[Any], Any]) -> Any:
+        """The next known answer, or :class:`NeedValue` for ``node``'s value."""
+        assert self.answers is not None
+        if self.asked < len(self.answers):
+            self.asked += 1
+            return self.answers[self.asked - 1]
+        raise NeedValue(node, convert)
+
+
+def evaluate(tracer: fx.Tracer, node: fx.Node, values: Mapping[str, Any]) -> Any:
+    """Run the part of ``tracer``'s graph that ``node`` depends on, on the example values
+    (``values``: each ``forward`` parameter's), after the trace has ended."""
+    needed: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in tracer.graph.nodes:
+        if n in needed:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[node])
+    args = []
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            name = str(n.target).lstrip("*")
+            if name not in values:  # torch.fx renames a placeholder that clashes: x_1
+                name = name.rpartition("_")[0]
+            args.append(values[name])
+    with torch.no_grad():
+        return fx.Interpreter(fx.GraphModule(tracer.root, graph)).run(*args)
+
+
+@contextlib.contextmanager
+def torch_nn_traceable() -> Iterator[None]:
+    """While tracing: torch's fused transformer fast path off, so that composites take the
+    path made of their submodules, and torch.nn's mask helpers recorded as calls in the
+    graph when given a proxy (they check ``isinstance(mask, Tensor)``)."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    saved = [(owner, name, getattr(owner, name)) for owner, name in mask_helpers()]
+    torch.backends.mha.set_fastpath_enabled(False)
+    for owner, name, fn in saved:
+        setattr(owner, name, _recorded(fn))
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, recorded as one ``call_function`` node when its first argument (the mask) is a
+    proxy; called as it is otherwise (``_canonical_mask(None, ...)`` is None whatever else)."""
+    first = next(iter(inspect.signature(fn).parameters))
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        value = args[0] if args else kwargs.get(first)
+        if isinstance(value, fx.Proxy):
+            return value.tracer.create_proxy("call_function", fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return call

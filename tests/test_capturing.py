@@ -1,0 +1,195 @@
+"""The capture package: the route registry, and the options stored with a graph.
+
+Oracles: torch.autograd on the eager model (credit routed over a graph captured
+again from its stored options), json and a torch-free interpreter (the stored
+options are plain data), and the route modules themselves (the registry).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import pickle
+import pkgutil
+
+import pytest
+import torch
+from torch import nn
+
+import fxnx
+from fxnx import capturing
+from fxnx.capturing import reuse
+from fxnx.capturing.common import Route
+from fxnx.capturing.registry import ROUTES
+
+from blocktorch import run_without_torch
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) + x
+
+
+class Net(nn.Module):
+    """Two blocks and a flag that selects a branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Block()
+        self.b = Block()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, double=False):
+        y = self.b(self.a(x))
+        if double:
+            y = y * 2
+        return self.head(y)
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else -x
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.a(x)) + x
+
+
+def _rel(got, want):
+    return float((got - want).norm() / want.norm())
+
+
+def _autograd(model, x, **kwargs):
+    ref = copy.deepcopy(model)
+    x_ = x.clone().requires_grad_()
+    out = ref(x_, **kwargs)
+    grads = torch.autograd.grad(out.sum(), [x_, *ref.parameters()])
+    return grads[0], dict(zip([n for n, _ in ref.named_parameters()], grads[1:], strict=True))
+
+
+def test_the_registry_is_a_dict_of_every_route_module_in_auto_order():
+    modules = {
+        name: importlib.import_module(f"fxnx.capturing.{name}")
+        for _, name, _ in pkgutil.iter_modules(capturing.__path__)
+    }
+    with_route = {name: mod.ROUTE for name, mod in modules.items() if hasattr(mod, "ROUTE")}
+    assert type(ROUTES) is dict
+    assert set(ROUTES) == set(with_route)  # one module per route, each registered by its name
+    assert all(isinstance(r, Route) and ROUTES[r.name] is r for r in with_route.values())
+    assert list(ROUTES) == ["symbolic_trace", "export", "draft_export", "make_fx"]
+    G = fxnx.convert(Net(), torch.randn(2, 4))
+    assert G.graph["capture_options"]["routes"] == list(ROUTES)
+
+
+@pytest.mark.parametrize(
+    ("options", "want"),
+    [
+        ({"leaf_modules": [Block]}, {"leaf_modules": [f"class:{__name__}.Block"]}),
+        ({"leaf_modules": ["a"]}, {"leaf_modules": ["a"]}),
+        ({"concrete_args": {"double": True}}, {"concrete_args": {"double": True}}),
+        ({"routes": "export"}, {"routes": ["export"], "route": "export"}),
+        ({"routes": ["export", "make_fx"]}, {"routes": ["export", "make_fx"], "route": "export"}),
+    ],
+    ids=["leaf-class", "leaf-path", "concrete", "export", "two-routes"],
+)
+def test_graph_keeps_its_options_and_credit_recaptures_with_them(options, want, monkeypatch):
+    torch.manual_seed(0)
+    model = Net().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x, **options)
+    stored = G.graph["capture_options"]
+    assert {k: stored[k] for k in want} == want
+    # Plain data: JSON round trip gives the same value.
+    assert json.loads(json.dumps(stored)) == stored
+    seen = []
+    real = reuse.capture
+    monkeypatch.setattr(reuse, "capture", lambda *a, **k: seen.append(k) or real(*a, **k))
+    G2 = pickle.loads(pickle.dumps(G))  # options travel with the graph, not with a cache
+    res = fxnx.route_credit(G2, model, x)  # no options given
+    want_x, want_p = _autograd(model, x, double=bool(dict(options.get("concrete_args", {}))))
+    assert _rel(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
+    for name, g in want_p.items():
+        assert _rel(res.param_credit[name], g) <= 1e-12, name
+    # It captured again once, with exactly the stored options (the winning route only).
+    assert len(seen) == 1
+    assert seen[0]["routes"] == (stored["route"],)
+    assert list(seen[0]["leaf_modules"]) == stored["leaf_modules"]
+    assert seen[0]["concrete_args"] == stored["concrete_args"]
+    assert seen[0]["level"] == stored["level"]
+
+
+def test_without_the_stored_options_the_graph_would_not_match():
+    """The counterfactual: the stored options are what makes the re-capture right."""
+    model, x = Net().double(), torch.randn(3, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x, leaf_modules=[Block])
+    G.graph["capture_options"]["leaf_modules"] = []
+    with pytest.raises(fxnx.FxnxValueError, match="G lacks nodes the model computes"):
+        fxnx.route_credit(G, model, x)
+
+
+def test_modules_kept_whole_on_failure_are_leaves_when_captured_again(monkeypatch):
+    torch.manual_seed(0)
+    model = Gated().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x, leaf_on_failure=True)
+    stored = G.graph["capture_options"]
+    assert stored["opaque"] == ["gate"] and stored["leaf_on_failure"] is True
+    seen = []
+    real = reuse.capture
+    monkeypatch.setattr(reuse, "capture", lambda *a, **k: seen.append(k) or real(*a, **k))
+    res = fxnx.route_credit(G, model, x)
+    assert list(seen[0]["leaf_modules"]) == ["gate"] and seen[0]["leaf_on_failure"] is False
+    want_x, _ = _autograd(model, x)
+    assert _rel(res.node_credit["x"], want_x) <= 1e-12
+
+
+def test_a_concrete_arg_a_graph_cannot_hold_must_be_passed_again():
+    class Scaled(nn.Module):
+        def forward(self, x, scale):
+            return x * scale
+
+    x, scale = torch.randn(2, 3, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)
+    G = fxnx.convert(Scaled(), x, concrete_args={"scale": scale})
+    assert G.graph["capture_options"]["concrete_args"] == {"scale": {"fxnx_unstored": "torch.Tensor"}}
+    fxnx.validate(G)
+    with pytest.raises(fxnx.FxnxValueError, match=r"concrete_args \['scale'\].*pass them again"):
+        fxnx.route_credit(G, Scaled(), x)
+    res = fxnx.route_credit(G, Scaled(), x, concrete_args={"scale": scale})
+    assert torch.equal(res.node_credit["x"], torch.full_like(x, 3.0))
+
+
+def test_capture_options_round_trip_and_load_without_torch(tmp_path):
+    G = fxnx.convert(Net(), torch.randn(2, 4), leaf_modules=[Block, "head"],
+                     concrete_args={"double": True})
+    opts = fxnx.CaptureOptions.from_plain(G.graph["capture_options"])
+    assert opts.to_plain() == G.graph["capture_options"]
+    assert opts.replay().routes == ("symbolic_trace",)
+    path = tmp_path / "g.pkl"
+    path.write_bytes(pickle.dumps(G.graph["capture_options"]))
+    proc = run_without_torch(
+        "import json, pickle, sys; print(json.dumps(pickle.load(open(sys.argv[1], 'rb'))))",
+        str(path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == G.graph["capture_options"]
+
+
+def test_a_broken_capture_options_value_is_refused():
+    G = fxnx.convert(Net(), torch.randn(2, 4))
+    G.graph["capture_options"]["level"] = "deep"
+    with pytest.raises(fxnx.GraphContractError, match="capture_options"):
+        fxnx.validate(G)
+    del G.graph["capture_options"]
+    with pytest.raises(fxnx.GraphContractError, match="lacks attribute 'capture_options'"):
+        fxnx.validate(G)
