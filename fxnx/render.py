@@ -14,13 +14,14 @@ import os
 import shutil
 import subprocess
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
 from ._collapse import collapse, module_depth
-from ._layout import Estimate, bounded_options, estimate
+from ._layout import Estimate, beside_consumers, bounded_options, estimate
 from ._style import (
     FONT,
     PLAIN,
@@ -145,12 +146,14 @@ def _pydot(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, rankd
     for node in topological_order(view):
         data = view.nodes[node]
         # Declared at the top, so that P.get_node(name) finds it; named in its module's box.
-        dot.add_node(pydot.Node(node_id(node), **node_style(node, data, scale, primals.get(node))))
+        dot.add_node(pydot.Node(node_id(node), **node_style(node, data, scale, primals.get(node),
+                                                            boxed=clusters)))
         cluster = parents.get(str(data.get("scope") or ""))
         if cluster is not None:
             cluster.add_node(pydot.Node(node_id(node)))
+    beside = beside_consumers(view)  # parameters sit beside their consumer, in its box
     for u, v, data in view.edges(data=True):
-        dot.add_edge(pydot.Edge(node_id(u), node_id(v), **edge_style(data)))
+        dot.add_edge(pydot.Edge(node_id(u), node_id(v), **edge_style(data, beside=u in beside)))
     dot.add_node(pydot.Node(node_id(LEGEND), **legend(view, scale)))
     return dot
 
@@ -239,7 +242,8 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
         depth, view, guess = _png_depth(G, dpi, options.get("clusters", True))
     else:
         view = collapse(G, depth) if depth is not None else G
-        guess = estimate(view, label_width, clusters=options.get("clusters", True))
+        clusters = options.get("clusters", True)
+        guess = estimate(view, partial(label_width, boxed=clusters), clusters=clusters)
     if fmt == "png" and guess.pixels(dpi)[1] > MAX_PIXELS:
         raise FxnxValueError(_too_large(path, depth, dpi))
     text = _pydot(view, graph_attrs=bounded_options(guess), **_defaults(options)).to_string()
@@ -278,14 +282,14 @@ def _png_depth(
     G: nx.MultiDiGraph, dpi: int, clusters: bool
 ) -> tuple[int | None, nx.MultiDiGraph, Estimate]:
     """The deepest depth at which ``G`` makes a readable PNG, its view and estimate."""
-    guess = estimate(G, label_width, clusters=clusters)
+    widths = partial(label_width, boxed=clusters)
+    guess = estimate(G, widths, clusters=clusters)
     depths = range(module_depth(G) - 1, 0, -1)
     if _fits_png(guess, dpi) or not depths:
         return None, G, guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
-        guess = estimate(collapse(G, depth, order=order, skips=False), label_width,
-                         clusters=clusters)
+        guess = estimate(collapse(G, depth, order=order, skips=False), widths, clusters=clusters)
         if _fits_png(guess, dpi):
             break
     view = collapse(G, depth, order=order)
