@@ -372,6 +372,40 @@ def test_a_layout_past_the_time_limit_names_a_depth(tmp_path, monkeypatch, torch
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
+def _dot_times_out(monkeypatch):
+    def slow(text, fmt, dpi, path):
+        raise render.subprocess.TimeoutExpired(["dot"], render.DOT_TIMEOUT)
+
+    monkeypatch.setattr(render, "_run_dot", slow)
+
+
+@needs_dot
+@pytest.mark.parametrize(
+    ("asked", "advice"),
+    [(3, r"draw it with depth=2 or less"), (2, r"draw it with depth=1 or less"),
+     (1, r"cannot make it smaller \(it is drawn at depth=1\): draw one part with "
+         r"fxnx\.scope_subgraph")],
+)
+def test_a_slow_layout_at_an_asked_depth_names_a_smaller_one(asked, advice, tmp_path,
+                                                             monkeypatch, torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet50"), torch.randn(1, 3, 64, 64))  # 3 levels deep
+    _dot_times_out(monkeypatch)
+    with pytest.raises(fxnx.FxnxValueError, match=advice):
+        fxnx.draw(G, tmp_path / "g.pdf", depth=asked)
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_dot
+def test_a_slow_layout_without_modules_says_no_depth_helps(tmp_path, monkeypatch):
+    G = _zoo("skip_block")
+    for _, data in G.nodes(data=True):
+        data["scope"], data["op"] = "", "call_function" if data["op"] == "call_module" else data["op"]
+    _dot_times_out(monkeypatch)
+    with pytest.raises(fxnx.FxnxValueError, match=r"cannot make it smaller \(it has no nested modules\)"):
+        fxnx.draw(G, tmp_path / "g.svg")
+    assert list(tmp_path.iterdir()) == []
+
+
 @needs_dot
 @pytest.mark.slow
 def test_densenet121_svg_keeps_every_node_with_a_bounded_layout(tmp_path, monkeypatch, torchvision_model):
