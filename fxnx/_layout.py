@@ -61,8 +61,8 @@ def estimate(
 
     Ranks are those of the longest path from the inputs, with every node that
     no input feeds just above its first consumer, or on its rank for
-    parameters (:func:`beside_consumers`), as drawn. ``label_width(node, data)`` gives a node's width in
-    points. With ``clusters``, each module's box (from the nodes' ``scope``)
+    parameters (:func:`beside_consumers`), as drawn. ``label_width(node,
+    data)`` gives a node's width in points. With ``clusters``, each module's box (from the nodes' ``scope``)
     is a rectangle over the ranks it spans, as in dot: boxes whose ranks
     overlap sit side by side.
 
@@ -108,7 +108,7 @@ def estimate(
 
 
 def beside_consumers(G: nx.MultiDiGraph) -> set[Any]:
-    """The nodes drawn on their consumer's rank: those that no input feeds.
+    """The nodes drawn on their consumer's rank: sources that no input feeds.
 
     Parameters, buffers and constants (``get_attr``) have no rank of their own
     on the path from the inputs. Drawn a rank above their consumer, a
