@@ -15,7 +15,7 @@ from typing import Any
 
 import networkx as nx
 
-__all__ = ["Estimate", "bounded_options", "estimate"]
+__all__ = ["Estimate", "beside_consumers", "bounded_options", "estimate"]
 
 #: Points (1/72 inch) per character of a node's bold 12-point name, and of its 10-point kind.
 NAME_CHAR, KIND_CHAR = 7.4, 5.6
@@ -60,12 +60,11 @@ def estimate(
     """Predict the size of ``G``'s dot layout and the work it takes.
 
     Ranks are those of the longest path from the inputs, with every node that
-    no input feeds (parameters, constants and what is computed from them
-    alone) moved next to its first consumer, as dot's own ranking does. ``label_width(node, data)`` gives a node's width
-    in points. With ``clusters``, each module's box (from the nodes'
-    ``scope``) is a rectangle over the ranks it spans, as in dot: boxes whose
-    ranks overlap sit side by side, so a chain of boxes that each overlap the
-    next by a rank drifts across the page like a staircase.
+    no input feeds just above its first consumer, or on its rank for
+    parameters (:func:`beside_consumers`), as drawn. ``label_width(node,
+    data)`` gives a node's width in points. With ``clusters``, each module's box (from the nodes' ``scope``)
+    is a rectangle over the ranks it spans, as in dot: boxes whose ranks
+    overlap sit side by side.
 
     Examples
     --------
@@ -79,11 +78,10 @@ def estimate(
     rank: dict[Any, int] = {}
     for node in order:
         rank[node] = max((rank[u] + 1 for u in G.predecessors(node)), default=0)
-    inputs = [node for node, op in G.nodes(data="op") if op == "placeholder"]
-    fed = set(inputs).union(*(nx.descendants(G, node) for node in inputs)) if inputs else set()
-    for node in reversed(order):  # what no input feeds (parameters and what is made of them)
-        if node not in fed and G.out_degree(node) > 0 and (inputs or G.in_degree(node) == 0):
-            rank[node] = min(rank[v] for v in G.successors(node)) - 1
+    unfed = _unfed(G)
+    for node in reversed(order):  # parameters beside their consumer, what is made of them above
+        if node in unfed:
+            rank[node] = min(rank[v] for v in G.successors(node)) - (G.in_degree(node) > 0)
     low = min(rank.values(), default=0)
     ranks = max(rank.values(), default=0) - low + 1
     width = {node: label_width(node, data) for node, data in G.nodes(data=True)}
@@ -107,6 +105,38 @@ def estimate(
         across = max(across, right.get(r, 0.0) + running * (VIRTUAL + NODESEP))
     return Estimate(across=across, along=ranks * RANK_STEP, nodes=G.number_of_nodes(),
                     virtual=virtual)
+
+
+def beside_consumers(G: nx.MultiDiGraph) -> set[Any]:
+    """The nodes drawn on their consumer's rank: sources that no input feeds.
+
+    Parameters, buffers and constants (``get_attr``) have no rank of their own
+    on the path from the inputs. Drawn a rank above their consumer, a
+    module's parameters would share a rank with the module before it, and dot
+    would set the two modules' boxes side by side: blocks in sequence would
+    drift across the page. Their edges get ``minlen=0`` instead, so each sits
+    beside its consumer, inside its consumer's box. What is computed from
+    parameters alone keeps its ranks above its consumer (laid flat, a chain of
+    such ops would widen one rank). A graph without inputs has none.
+
+    Examples
+    --------
+    >>> import networkx as nx
+    >>> G = nx.MultiDiGraph([("x", "norm"), ("weight", "t"), ("t", "norm"), ("norm", "out")])
+    >>> G.nodes["x"]["op"] = "placeholder"
+    >>> sorted(beside_consumers(G))
+    ['weight']
+    """
+    return {node for node in _unfed(G) if G.in_degree(node) == 0}
+
+
+def _unfed(G: nx.MultiDiGraph) -> set[Any]:
+    """The nodes with consumers that no input feeds; none in a graph without inputs."""
+    inputs = [node for node, op in G.nodes(data="op") if op == "placeholder"]
+    if not inputs:
+        return set()
+    fed = set(inputs).union(*(nx.descendants(G, node) for node in inputs))
+    return {node for node in G if node not in fed and G.out_degree(node) > 0}
 
 
 def _packed(scope: dict[Any, str], rank: dict[Any, int], width: dict[Any, float]) -> dict[int, float]:

@@ -100,19 +100,28 @@ def kind(data: dict[str, Any]) -> str:
     return {"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(op, str(op or ""))
 
 
-def _title(node: Any, data: dict[str, Any]) -> str:
+def _title(node: Any, data: dict[str, Any], boxed: bool = True) -> str:
+    """The bold name on a node: its own name, or what its module's box leaves to say.
+
+    A collapsed module is named by the last part of its path; a parameter
+    drawn in its module's box (``boxed``) by its path from that module
+    (``weight``, or ``norm.weight`` if read by the norm's parent).
+    """
+    target = str(data.get("target"))
     if data.get("op") == "module":  # inside its parent's box, the last part of the path says it
-        target = str(data.get("target"))
         last = target.rpartition(".")[2]
         return target if last.isdigit() else last
+    scope = str(data.get("scope") or "")
+    if boxed and data.get("op") == "get_attr" and scope and target.startswith(scope + "."):
+        return target[len(scope) + 1:]
     return str(node)
 
 
-def label_width(node: Any, data: dict[str, Any]) -> float:
+def label_width(node: Any, data: dict[str, Any], boxed: bool = True) -> float:
     """A node's width in points, from its label text, for :func:`fxnx._layout.estimate`."""
     from ._layout import KIND_CHAR, NAME_CHAR, NODE_PAD
 
-    return max(len(_title(node, data)) * NAME_CHAR, len(kind(data)) * KIND_CHAR) + NODE_PAD
+    return max(len(_title(node, data, boxed)) * NAME_CHAR, len(kind(data)) * KIND_CHAR) + NODE_PAD
 
 
 def _tooltip(node: Any, data: dict[str, Any], kind_text: str) -> str:
@@ -125,11 +134,16 @@ def _tooltip(node: Any, data: dict[str, Any], kind_text: str) -> str:
 
 
 def node_style(
-    node: Any, data: dict[str, Any], scale: Scale | None, primal: dict[str, str] | None = None
+    node: Any, data: dict[str, Any], scale: Scale | None, primal: dict[str, str] | None = None,
+    *, boxed: bool = True,
 ) -> dict[str, str]:
-    """DOT attributes of one node: label, tooltip, SVG id, fill and border by branch role."""
+    """DOT attributes of one node: label, tooltip, SVG id, fill and border by branch role.
+
+    ``boxed`` says the node is drawn inside its module's box, which names the
+    module, so a parameter is labelled by its attribute name alone.
+    """
     what = f"{primal.get('kind')} {primal.get('name')}" if primal else kind(data)
-    name = _title(node, data)
+    name = _title(node, data, boxed)
     lines = [f"<B>{text(name)}</B>"]
     note = what
     if data.get("op") == "module" and data.get("members"):
@@ -170,9 +184,13 @@ def node_style(
     return style
 
 
-def edge_style(data: dict[str, Any]) -> dict[str, str]:
-    """DOT attributes of one edge: the tensor's shape, and colour and dashes by branch role."""
-    style = {}
+def edge_style(data: dict[str, Any], *, beside: bool = False) -> dict[str, str]:
+    """DOT attributes of one edge: the tensor's shape, and colour and dashes by branch role.
+
+    With ``beside``, the edge may stay within a rank (``minlen=0``): its tail is
+    a parameter, drawn beside its consumer rather than above it.
+    """
+    style = {"minlen": "0"} if beside else {}
     shape = data.get("shape")
     if isinstance(shape, (tuple, list)):
         style["xlabel"] = quoted(" " + "×".join(map(str, shape)) + " ")

@@ -14,13 +14,14 @@ import os
 import shutil
 import subprocess
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
 from ._collapse import collapse, module_depth
-from ._layout import Estimate, bounded_options, estimate
+from ._layout import Estimate, beside_consumers, bounded_options, estimate
 from ._style import (
     FONT,
     PLAIN,
@@ -145,12 +146,14 @@ def _pydot(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, rankd
     for node in topological_order(view):
         data = view.nodes[node]
         # Declared at the top, so that P.get_node(name) finds it; named in its module's box.
-        dot.add_node(pydot.Node(node_id(node), **node_style(node, data, scale, primals.get(node))))
+        dot.add_node(pydot.Node(node_id(node), **node_style(node, data, scale, primals.get(node),
+                                                            boxed=clusters)))
         cluster = parents.get(str(data.get("scope") or ""))
         if cluster is not None:
             cluster.add_node(pydot.Node(node_id(node)))
+    beside = beside_consumers(view)  # parameters sit beside their consumer, in its box
     for u, v, data in view.edges(data=True):
-        dot.add_edge(pydot.Edge(node_id(u), node_id(v), **edge_style(data)))
+        dot.add_edge(pydot.Edge(node_id(u), node_id(v), **edge_style(data, beside=u in beside)))
     dot.add_node(pydot.Node(node_id(LEGEND), **legend(view, scale)))
     return dot
 
@@ -187,8 +190,10 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     column at 100%; ResNet-18 keeps every node, ResNet-50 is drawn by block), and Graphviz's
     32,767-pixel limit; a warning says so. SVG and PDF keep every node; past
     6,000 nodes plus virtual nodes, dot's crossing reduction and placement
-    passes are limited so the layout takes seconds (edges cross more), and a run past two minutes stops with an error
-    that names a depth that will work. ``dpi`` is Graphviz's default 96; ask
+    passes are limited so the layout takes seconds (edges cross more;
+    DenseNet-121 in full takes about 15 s), and a run past two minutes
+    stops with an error that names a smaller depth, or says that none helps.
+    ``dpi`` is Graphviz's default 96; ask
     for 200 or more for print. Options are those of :func:`to_pydot`. The
     file is written whole or not at all: a failed run leaves ``path`` as it was.
 
@@ -239,7 +244,8 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
         depth, view, guess = _png_depth(G, dpi, options.get("clusters", True))
     else:
         view = collapse(G, depth) if depth is not None else G
-        guess = estimate(view, label_width, clusters=options.get("clusters", True))
+        clusters = options.get("clusters", True)
+        guess = estimate(view, partial(label_width, boxed=clusters), clusters=clusters)
     if fmt == "png" and guess.pixels(dpi)[1] > MAX_PIXELS:
         raise FxnxValueError(_too_large(path, depth, dpi))
     text = _pydot(view, graph_attrs=bounded_options(guess), **_defaults(options)).to_string()
@@ -248,8 +254,8 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     except subprocess.TimeoutExpired as err:
         raise FxnxValueError(
             f"Graphviz's dot did not lay out {path.name} within {DOT_TIMEOUT:.0f} s "
-            f"({guess.nodes} nodes, {guess.virtual} virtual nodes for long edges): draw it with "
-            f"depth={_quick_depth(G)} or less, or write .dot text and run dot yourself"
+            f"({guess.nodes} nodes, {guess.virtual} virtual nodes for long edges): "
+            f"{_smaller(G, depth)}"
         ) from err
     if "too large" in notes:  # dot would scale the PNG down into a blur: not what was asked
         raise FxnxValueError(_too_large(path, depth, dpi))
@@ -278,14 +284,14 @@ def _png_depth(
     G: nx.MultiDiGraph, dpi: int, clusters: bool
 ) -> tuple[int | None, nx.MultiDiGraph, Estimate]:
     """The deepest depth at which ``G`` makes a readable PNG, its view and estimate."""
-    guess = estimate(G, label_width, clusters=clusters)
+    widths = partial(label_width, boxed=clusters)
+    guess = estimate(G, widths, clusters=clusters)
     depths = range(module_depth(G) - 1, 0, -1)
     if _fits_png(guess, dpi) or not depths:
         return None, G, guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
-        guess = estimate(collapse(G, depth, order=order, skips=False), label_width,
-                         clusters=clusters)
+        guess = estimate(collapse(G, depth, order=order, skips=False), widths, clusters=clusters)
         if _fits_png(guess, dpi):
             break
     view = collapse(G, depth, order=order)
@@ -298,13 +304,30 @@ def _png_depth(
     return depth, view, guess
 
 
-def _quick_depth(G: nx.MultiDiGraph) -> int:
-    """The deepest depth at which dot's layout of ``G`` is quick."""
+def _quick_depth(G: nx.MultiDiGraph, below: int | None = None) -> int | None:
+    """The deepest depth, under ``below`` if given, at which dot's layout of ``G`` is quick.
+
+    None when collapsing cannot make ``G`` smaller: it has no nested modules,
+    or ``below`` is already 1.
+    """
     order = topological_order(G)
-    for depth in range(module_depth(G) - 1, 0, -1):
+    top = module_depth(G) - 1 if below is None else min(below - 1, module_depth(G) - 1)
+    for depth in range(top, 0, -1):
         if estimate(collapse(G, depth, order=order, skips=False), label_width).work <= PNG_WORK:
             return depth
-    return 1
+    return 1 if top >= 1 else None
+
+
+def _smaller(G: nx.MultiDiGraph, depth: int | None) -> str:
+    """What to do when dot's layout of ``G`` at ``depth`` is too slow: a depth, if one helps."""
+    quick = _quick_depth(G, depth)
+    if quick is None:
+        why = "it has no nested modules" if depth is None else f"it is drawn at depth={depth}"
+        return (
+            f"collapsing modules cannot make it smaller ({why}): draw one part with "
+            "fxnx.scope_subgraph(G, scope), or write .dot text and run dot yourself"
+        )
+    return f"draw it with depth={quick} or less, or write .dot text and run dot yourself"
 
 
 def _run_dot(text: str, fmt: str, dpi: int, path: Path) -> str:

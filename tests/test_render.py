@@ -372,6 +372,40 @@ def test_a_layout_past_the_time_limit_names_a_depth(tmp_path, monkeypatch, torch
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
+def _dot_times_out(monkeypatch):
+    def slow(text, fmt, dpi, path):
+        raise render.subprocess.TimeoutExpired(["dot"], render.DOT_TIMEOUT)
+
+    monkeypatch.setattr(render, "_run_dot", slow)
+
+
+@needs_dot
+@pytest.mark.parametrize(
+    ("asked", "advice"),
+    [(3, r"draw it with depth=2 or less"), (2, r"draw it with depth=1 or less"),
+     (1, r"cannot make it smaller \(it is drawn at depth=1\): draw one part with "
+         r"fxnx\.scope_subgraph")],
+)
+def test_a_slow_layout_at_an_asked_depth_names_a_smaller_one(asked, advice, tmp_path,
+                                                             monkeypatch, torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet50"), torch.randn(1, 3, 64, 64))  # 3 levels deep
+    _dot_times_out(monkeypatch)
+    with pytest.raises(fxnx.FxnxValueError, match=advice):
+        fxnx.draw(G, tmp_path / "g.pdf", depth=asked)
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_dot
+def test_a_slow_layout_without_modules_says_no_depth_helps(tmp_path, monkeypatch):
+    G = _zoo("skip_block")
+    for _, data in G.nodes(data=True):
+        data["scope"], data["op"] = "", "call_function" if data["op"] == "call_module" else data["op"]
+    _dot_times_out(monkeypatch)
+    with pytest.raises(fxnx.FxnxValueError, match=r"cannot make it smaller \(it has no nested modules\)"):
+        fxnx.draw(G, tmp_path / "g.svg")
+    assert list(tmp_path.iterdir()) == []
+
+
 @needs_dot
 @pytest.mark.slow
 def test_densenet121_svg_keeps_every_node_with_a_bounded_layout(tmp_path, monkeypatch, torchvision_model):
@@ -406,20 +440,45 @@ def _dot_size(text):
     return float(width) * 72, float(height) * 72
 
 
-@needs_dot
-def test_width_estimate_follows_nested_boxes_that_drift(tmp_path):
-    # Each block's parameters rank one above the previous block's add, so the boxes overlap by
-    # a rank and dot lays them out as a staircase, much wider than any one rank's nodes.
-    G = fxnx.convert(torch.nn.Sequential(*(_NormBlock(4) for _ in range(8))), torch.zeros(1, 4))
+def _dot_ranks(text):
+    """Each node's y coordinate in dot's own layout of DOT text (nodes on one rank share it)."""
+    plain = render.subprocess.run(["dot", "-Tplain"], input=text.encode(), capture_output=True,
+                                  check=True).stdout.decode()
+    return {p[1].strip('"'): float(p[3]) for p in map(str.split, plain.splitlines()) if p[0] == "node"}
+
+
+def _norm_stack(blocks):
+    G = fxnx.convert(torch.nn.Sequential(*(_NormBlock(4) for _ in range(blocks))), torch.zeros(1, 4))
     fxnx.skip_connections(G)
-    width, height = _dot_size(fxnx.to_pydot(G).to_string())
-    guess = render.estimate(G, _style.label_width)
+    return G
+
+
+@needs_dot
+def test_blocks_in_sequence_stack_instead_of_drifting_across():
+    # A block's parameters are drawn beside the layer norm that reads them, inside its box; a
+    # rank above, they would share the previous block's last rank, and dot would set the boxes
+    # side by side: eight blocks a staircase about eight blocks wide.
+    one, _ = _dot_size(fxnx.to_pydot(_norm_stack(1)).to_string())
+    G = _norm_stack(8)
+    text = fxnx.to_pydot(G).to_string()
+    width, height = _dot_size(text)
+    assert width < 1.5 * one
+    y = _dot_ranks(text)
+    for node, data in G.nodes(data=True):
+        if data["op"] == "get_attr":
+            (consumer,) = G.successors(node)
+            assert y[node] == y[consumer], node
+    guess = render.estimate(G, _style.label_width)  # the prediction follows what dot drew
     assert 0.7 < guess.across / width < 1.5
     assert 0.7 < guess.along / height < 1.5
-    flat = render.estimate(G, _style.label_width, clusters=False)
-    assert flat.across < width / 2  # the boxes, not the ranks, make the width
-    no_boxes, _ = _dot_size(fxnx.to_pydot(G, clusters=False).to_string())
-    assert 0.5 < flat.across / no_boxes < 1.5
+
+
+def test_parameters_are_named_by_attribute_inside_their_modules_box():
+    G = _norm_stack(2)
+    boxed = fxnx.to_pydot(G).get_node("_1_norm_weight")[0].get("label")
+    assert boxed.startswith("<<B>norm.weight</B>")  # in the box of block 1, which reads it
+    loose = fxnx.to_pydot(G, clusters=False).get_node("_1_norm_weight")[0].get("label")
+    assert loose.startswith("<<B>_1_norm_weight</B>")
 
 
 def test_constants_made_by_tracing_collapse_into_their_module():
