@@ -161,7 +161,7 @@ class CreditRouter:
             return self.model(*inputs, **kwargs)
         plan, tape = self._record(inputs, kwargs, training=True)
         self._tape = (plan, tape)
-        return tape.output
+        return tape.result
 
     def backward(
         self, loss: Tensor | None = None, *, output_credit: Any = None, node_credit: bool = False
@@ -200,16 +200,17 @@ class CreditRouter:
                 "router.backward takes either loss or output_credit=…, exactly one of them"
             )
         plan, tape = self._tape
-        credit = self._loss_credit(loss, tape.output) if loss is not None else output_credit_like(
-            tape.output, output_credit
+        flat = self._loss_credit(loss, tape.result) if loss is not None else output_credit_like(
+            tape.result, output_credit
         )
+        credit = tape.graph_credit(flat)
         self._tape = None
         state = RoutingState(seed=self.seed, output_credit=credit)
         nodes, params, used = plan.backward(tape, credit, state, keep=node_credit)
         self._accumulate(plan, params, aliased=node_credit)
         return CreditResult(
             node_credit=nodes, param_credit=params, rules=used, rule=self.preset.name,
-            feedback=self.feedback, output=tape.output,
+            feedback=self.feedback, output=tape.result,
         )
 
     def _record(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, training: bool) -> tuple[Plan, Tape]:
@@ -260,14 +261,16 @@ class CreditRouter:
             )
 
     @staticmethod
-    def _loss_credit(loss: Any, output: Any) -> Any:
+    def _loss_credit(loss: Any, output: Any) -> list[Any]:
+        """``d(loss)/d(leaf)`` for each leaf of ``output`` (``tree_flatten`` order), None where
+        the loss does not depend on it."""
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__qualname__
             raise FxnxValueError(
                 f"loss must be a scalar tensor, got {what}; for credit of another shape, pass "
                 "router.backward(output_credit=...)"
             )
-        flat, spec = pytree.tree_flatten(output)
+        flat = pytree.tree_leaves(output)
         slots = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
         if not loss.requires_grad or not slots:
             raise FxnxValueError("loss does not depend on the output the router returned")
@@ -277,7 +280,7 @@ class CreditRouter:
         credit: list[Any] = [None] * len(flat)
         for i, g in zip(slots, grads, strict=True):
             credit[i] = g
-        return pytree.tree_unflatten(credit, spec)
+        return credit
 
     @staticmethod
     def _accumulate(plan: Plan, params: dict[str, Tensor], *, aliased: bool) -> None:
@@ -314,13 +317,14 @@ def _preset(rule: Any) -> Preset:
     )
 
 
-def output_credit_like(output: Any, given: Any) -> Any:
-    """``given`` checked against the output's structure and shapes; None means ones."""
+def output_credit_like(output: Any, given: Any) -> list[Any]:
+    """``given`` checked against the output's structure and shapes, as one credit per leaf of
+    ``output`` (``tree_flatten`` order); None means ones."""
     if given is None:
-        return pytree.tree_map(
-            lambda t: torch.ones_like(t) if isinstance(t, Tensor) and t.is_floating_point() else None,
-            output,
-        )
+        return [
+            torch.ones_like(t) if isinstance(t, Tensor) and t.is_floating_point() else None
+            for t in pytree.tree_leaves(output)
+        ]
     out_flat, spec = pytree.tree_flatten(output)
     given_flat, given_spec = pytree.tree_flatten(given)
     if len(out_flat) != len(given_flat):
@@ -345,7 +349,4 @@ def output_credit_like(output: Any, given: Any) -> Any:
             raise FxnxValueError(
                 f"{where} has shape {tuple(g.shape)}, the output {tuple(out.shape)}"
             )
-    return pytree.tree_unflatten(
-        [g.to(out.dtype) if isinstance(g, Tensor) else g for out, g in zip(out_flat, given_flat, strict=True)],
-        spec,
-    )
+    return [g.to(out.dtype) if isinstance(g, Tensor) else g for out, g in zip(out_flat, given_flat, strict=True)]

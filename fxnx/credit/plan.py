@@ -54,10 +54,29 @@ class _Entry:
 
 @dataclass
 class Tape:
-    """One recorded forward pass: each computing node's call, and the model's output."""
+    """One recorded forward pass: each computing node's call, and the model's output.
+
+    ``output`` is what the graph's output node took (a flat tuple for graphs from
+    ``torch.export``); ``result`` is the output as the model returns it (the graph's
+    codegen rebuilds the structure: a ``ModelOutput``, a dict), made of the same tensors.
+    """
 
     calls: list[NodeCall | None]
     output: Any
+    result: Any = None
+
+    def graph_credit(self, flat: Sequence[Credit]) -> Credit:
+        """Credit for each leaf of ``result`` (``tree_flatten`` order), in the structure of
+        ``output``: what the graph's output node routes."""
+        leaves, spec = pytree.tree_flatten(self.result)
+        if self.result is self.output:
+            return pytree.tree_unflatten(list(flat), spec)
+        where = {id(t): k for k, t in enumerate(leaves) if isinstance(t, Tensor)}
+        out_leaves, out_spec = pytree.tree_flatten(self.output)
+        return pytree.tree_unflatten(
+            [flat[where[id(t)]] if isinstance(t, Tensor) and id(t) in where else None for t in out_leaves],
+            out_spec,
+        )
 
 
 @dataclass
@@ -126,7 +145,7 @@ class Plan:
                 sources=skeleton.sources, labels=skeleton.labels, inputs=leaves, output=out,
                 params=skeleton.params, wanted=skeleton.wanted, args=args, kwargs=kwargs,
             ))
-        return Tape(calls, output)
+        return Tape(calls, output, self.gm.graph._codegen.process_outputs(output))
 
     def backward(
         self, tape: Tape, output_credit: Credit, state: RoutingState, *, keep: bool = True
