@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
@@ -28,7 +29,7 @@ from .._compat import pytree
 from .._shapes import node_failure
 from ..analysis import topological_order
 from ..errors import FxnxValueError
-from .record import Credit, NodeCall, detached, fresh_leaf, run_node
+from .record import Credit, NodeCall, detached, fresh_leaf, run_node, written_input
 from .rules import RoutingState
 
 __all__ = ["Plan", "Tape", "compile_plan"]
@@ -88,6 +89,7 @@ class Plan:
     backward_order: list[_Entry]
     slots: int
     params: dict[str, Tensor]  # qualified name to every trainable parameter credit can reach
+    counters: list[Tensor] = field(default_factory=list)  # see _untraced_counters
 
     @property
     def rules(self) -> dict[str, Any]:
@@ -145,6 +147,10 @@ class Plan:
                 sources=skeleton.sources, labels=skeleton.labels, inputs=leaves, output=out,
                 params=skeleton.params, wanted=skeleton.wanted, args=args, kwargs=kwargs,
             ))
+        if self.counters:
+            with torch.no_grad():
+                for counter in self.counters:
+                    counter.add_(1)
         return Tape(calls, output, self.gm.graph._codegen.process_outputs(output))
 
     def backward(
@@ -231,6 +237,7 @@ def compile_plan(
                 entry.param = param_names[id(value)]
         entries[node.name] = entry
     _check_nodes(G, list(entries))
+    _check_writes(gm)
 
     order = {n: i for i, n in enumerate(topological_order(G))}
     needs = _needs_credit(G, order, entries) if training else None
@@ -266,7 +273,32 @@ def compile_plan(
         if entry.param is not None:
             params[entry.param] = fetch_attr(gm, entry.node.target)  # type: ignore[arg-type]
     backward_order = [entries[n] for n in reversed(order)]
-    return Plan(gm, forward_order, backward_order, len(slot_of), params)
+    return Plan(gm, forward_order, backward_order, len(slot_of), params, _untraced_counters(gm, model))
+
+
+def _untraced_counters(gm: fx.GraphModule, model: Any) -> list[Tensor]:
+    """The ``num_batches_tracked`` buffers the model's forward bumps but the graph does not.
+
+    A batch norm written in Python (timm's ``BatchNormAct2d``) runs
+    ``self.num_batches_tracked.add_(1)`` on a real buffer: a symbolic trace runs it
+    once while tracing and records nothing. Such a module, traced through (no
+    ``call_module`` node calls it or a module holding it), in training mode with
+    ``track_running_stats``, and whose counter no node reads, has its counter
+    bumped once per forward, as ``nn.BatchNorm2d`` bumps its own.
+    """
+    if not isinstance(model, nn.Module):
+        return []
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    read = {id(fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}  # type: ignore[arg-type]
+    counters = []
+    for path, module in model.named_modules():
+        counter = getattr(module, "num_batches_tracked", None)
+        if not (isinstance(counter, Tensor) and module.training and getattr(module, "track_running_stats", False)):
+            continue
+        if id(counter) in read or any(path == c or path.startswith(c + ".") or not c for c in called):
+            continue
+        counters.append(counter)
+    return counters
 
 
 def _number_calls(forward_order: list[_Entry]) -> None:
@@ -287,6 +319,30 @@ def _is_constant(entry: _Entry) -> bool:
     if node.op != "get_attr":
         return False
     return not isinstance(fetch_attr(node.graph.owning_module, node.target), nn.Parameter)  # type: ignore[arg-type]
+
+
+def _check_writes(gm: fx.GraphModule) -> None:
+    """Refuse a value written in place and read again afterwards under its old name.
+
+    ``h.relu_()`` with its result dropped, then ``l2(h)``: the model's ``l2`` reads
+    the written values, but the captured graph (and ``G``) has ``l2`` read ``h``
+    itself, so neither the forward nor the credit would follow the model.
+    """
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        written = written_input(node)
+        if written is None or written.op == "get_attr":  # buffers: updated as in model(x)
+            continue
+        later = sorted((u for u in written.users if position[u] > position[node]), key=position.__getitem__)
+        if later:
+            raise FxnxValueError(
+                f"node {node.name!r} writes into {written.name!r} in place, and later nodes "
+                f"({', '.join(repr(u.name) for u in later[:4])}) read {written.name!r} again: "
+                "the model's forward reads the written values there, but the captured graph "
+                f"reads {written.name!r} as it was, so credit cannot follow the model. In the "
+                "model, use the in-place call's result (h = h.relu_() or h = torch.relu(h)), "
+                "or convert with routes='export' (which records the write)"
+            )
 
 
 def _needs_credit(G: nx.MultiDiGraph, order: Mapping[str, int], entries: Mapping[str, _Entry]) -> dict[str, bool]:
