@@ -142,6 +142,7 @@ class CreditRouter:
         self._bound: dict[tuple[str, int, int], Any] = {}
         self._plan: Plan | None = None
         self._tape: tuple[Plan, Tape] | None = None
+        self._why_none = ""  # why there is no forward to route, where known
 
     @property
     def feedback(self) -> dict[str, Any]:
@@ -158,9 +159,16 @@ class CreditRouter:
         """The model's forward on ``inputs``, recorded for :meth:`backward`; returns its output."""
         if not torch.is_grad_enabled():  # nothing to route afterwards: the plain forward
             self._tape = None
+            self._why_none = (
+                "the last router(...) call ran under torch.no_grad() (or inference mode), "
+                "which records nothing: call it with gradients enabled"
+            )
             return self.model(*inputs, **kwargs)
         plan, tape = self._record(inputs, kwargs, training=True)
         self._tape = (plan, tape)
+        for leaf in pytree.tree_leaves(tape.result):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(_not_autograd)
         return tape.result
 
     def backward(
@@ -194,6 +202,7 @@ class CreditRouter:
             raise FxnxValueError(
                 "router.backward needs a forward to route: call output = router(x), compute "
                 "the loss from that output, then router.backward(loss) (once per forward)"
+                + (f"; {self._why_none}" if self._why_none else "")
             )
         if (loss is None) == (output_credit is None):
             raise FxnxValueError(
@@ -205,6 +214,7 @@ class CreditRouter:
         )
         credit = tape.graph_credit(flat)
         self._tape = None
+        self._why_none = "router.backward was already called on the last forward"
         state = RoutingState(seed=self.seed, output_credit=credit)
         nodes, params, used = plan.backward(tape, credit, state, keep=node_credit)
         self._accumulate(plan, params, aliased=node_credit)
@@ -272,11 +282,15 @@ class CreditRouter:
             )
         flat = pytree.tree_leaves(output)
         slots = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
+        unrelated = FxnxValueError(
+            "loss does not depend on the output the last router(...) call returned: compute it "
+            "from that output (not from model(x), nor from an earlier call's output)"
+        )
         if not loss.requires_grad or not slots:
-            raise FxnxValueError("loss does not depend on the output the router returned")
+            raise unrelated
         grads = torch.autograd.grad(loss, [flat[i] for i in slots], allow_unused=True)
         if all(g is None for g in grads):
-            raise FxnxValueError("loss does not depend on the output the router returned")
+            raise unrelated
         credit: list[Any] = [None] * len(flat)
         for i, g in zip(slots, grads, strict=True):
             credit[i] = g
@@ -298,6 +312,14 @@ class CreditRouter:
                     p.grad = g
                 else:
                     p.grad += g
+
+
+def _not_autograd(_: Tensor) -> None:
+    """Hooked on the router's output: ``loss.backward()`` would stop there, silently."""
+    raise FxnxValueError(
+        "loss.backward() cannot train through a CreditRouter: the output router(x) returns "
+        "ends the autograd graph. Call router.backward(loss) instead"
+    )
 
 
 def _preset(rule: Any) -> Preset:
