@@ -116,6 +116,12 @@ def _container_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> t
             del layer.forward
     pairs = [(o, c) for o, c in zip(pytree.tree_leaves(out), pytree.tree_leaves(credit), strict=False)
              if isinstance(o, Tensor) and isinstance(c, Tensor) and o.requires_grad]
+    return _recomputed_vjp(call, pairs)
+
+
+def _recomputed_vjp(call: NodeCall, pairs: list[tuple[Tensor, Tensor]]) -> tuple[list[Credit], dict[str, Tensor]]:
+    """Credit for ``call``'s wanted inputs and its parameters, from (output, credit) pairs of
+    a recomputation of the node on its recorded leaves."""
     wanted = [i for i, x in enumerate(call.inputs)
               if isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[i])]
     names = list(call.params)
@@ -270,13 +276,4 @@ def _attention_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> t
     out, weights = attention(module, **arguments, feedback={p: b.to(like) for p, b in B.items()})  # type: ignore[arg-type]
     pairs = [(o, c) for o, c in zip((out, weights), credit, strict=False)
              if isinstance(o, Tensor) and isinstance(c, Tensor)]
-    wanted = [i for i, x in enumerate(call.inputs)
-              if isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[i])]
-    names = list(call.params)
-    wrt = [call.inputs[i] for i in wanted] + [call.params[n] for n in names]
-    got = torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
-    inputs: list[Credit] = [None] * len(call.inputs)
-    for i, g in zip(wanted, got, strict=False):
-        inputs[i] = g
-    params = {n: g for n, g in zip(names, got[len(wanted):], strict=True) if g is not None}
-    return inputs, params
+    return _recomputed_vjp(call, pairs)
