@@ -151,7 +151,7 @@ class Plan:
             with torch.no_grad():
                 for counter in self.counters:
                     counter.add_(1)
-        return Tape(calls, output, self.gm.graph._codegen.process_outputs(output))
+        return Tape(calls, output, self.gm.graph.process_outputs(output))
 
     def backward(
         self, tape: Tape, output_credit: Credit, state: RoutingState, *, keep: bool = True

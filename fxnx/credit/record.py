@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .._compat import pytree
+from .._compat import OpOverload, op_schema, pytree
 
 __all__ = ["NodeCall", "run_node", "written_input"]
 
@@ -229,10 +229,16 @@ def written_input(node: fx.Node) -> fx.Node | None:
         or node.kwargs.get("inplace") is True
         or getattr(module, "inplace", None) is True
         or (node.op == "call_function" and target in _AUGMENTED)
-        or (isinstance(target, torch._ops.OpOverload) and bool(target._schema.arguments)
-            and target._schema.arguments[0].is_write)
+        or _writes_first_argument(target)
     )
     return first if inplace else None
+
+
+def _writes_first_argument(target: Any) -> bool:
+    """An ATen overload whose schema marks its first argument written (``aten.add_``)."""
+    schema = op_schema(target) if isinstance(target, OpOverload) else None
+    arguments = getattr(schema, "arguments", None)
+    return bool(arguments) and bool(getattr(arguments[0], "is_write", False))
 
 
 def _call(op: str, target: Any, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
