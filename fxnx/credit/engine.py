@@ -140,6 +140,7 @@ class CreditRouter:
         self._bound: dict[tuple[str, int, int], Any] = {}
         self._plan: Plan | None = None
         self._tape: tuple[Plan, Tape] | None = None
+        self._why_none = ""  # why there is no forward to route, where known
 
     @property
     def feedback(self) -> dict[str, Any]:
@@ -156,10 +157,17 @@ class CreditRouter:
         """The model's forward on ``inputs``, recorded for :meth:`backward`; returns its output."""
         if not torch.is_grad_enabled():  # nothing to route afterwards: the plain forward
             self._tape = None
+            self._why_none = (
+                "the last router(...) call ran under torch.no_grad() (or inference mode), "
+                "which records nothing: call it with gradients enabled"
+            )
             return self.model(*inputs, **kwargs)
         plan, tape = self._record(inputs, kwargs, training=True)
         self._tape = (plan, tape)
-        return tape.output
+        for leaf in pytree.tree_leaves(tape.result):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(_not_autograd)
+        return tape.result
 
     def backward(
         self, loss: Tensor | None = None, *, output_credit: Any = None, node_credit: bool = False
@@ -192,22 +200,25 @@ class CreditRouter:
             raise FxnxValueError(
                 "router.backward needs a forward to route: call output = router(x), compute "
                 "the loss from that output, then router.backward(loss) (once per forward)"
+                + (f"; {self._why_none}" if self._why_none else "")
             )
         if (loss is None) == (output_credit is None):
             raise FxnxValueError(
                 "router.backward takes either loss or output_credit=…, exactly one of them"
             )
         plan, tape = self._tape
-        credit = self._loss_credit(loss, tape.output) if loss is not None else output_credit_like(
-            tape.output, output_credit
+        flat = self._loss_credit(loss, tape.result) if loss is not None else output_credit_like(
+            tape.result, output_credit
         )
+        credit = tape.graph_credit(flat)
         self._tape = None
+        self._why_none = "router.backward was already called on the last forward"
         state = RoutingState(seed=self.seed, output_credit=credit)
         nodes, params, used = plan.backward(tape, credit, state, keep=node_credit)
         self._accumulate(plan, params, aliased=node_credit)
         return CreditResult(
             node_credit=nodes, param_credit=params, rules=used, rule=self.preset.name,
-            feedback=self.feedback, output=tape.output,
+            feedback=self.feedback, output=tape.result,
         )
 
     def _record(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, training: bool) -> tuple[Plan, Tape]:
@@ -258,24 +269,30 @@ class CreditRouter:
             )
 
     @staticmethod
-    def _loss_credit(loss: Any, output: Any) -> Any:
+    def _loss_credit(loss: Any, output: Any) -> list[Any]:
+        """``d(loss)/d(leaf)`` for each leaf of ``output`` (``tree_flatten`` order), None where
+        the loss does not depend on it."""
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__qualname__
             raise FxnxValueError(
                 f"loss must be a scalar tensor, got {what}; for credit of another shape, pass "
                 "router.backward(output_credit=...)"
             )
-        flat, spec = pytree.tree_flatten(output)
+        flat = pytree.tree_leaves(output)
         slots = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
+        unrelated = FxnxValueError(
+            "loss does not depend on the output the last router(...) call returned: compute it "
+            "from that output (not from model(x), nor from an earlier call's output)"
+        )
         if not loss.requires_grad or not slots:
-            raise FxnxValueError("loss does not depend on the output the router returned")
+            raise unrelated
         grads = torch.autograd.grad(loss, [flat[i] for i in slots], allow_unused=True)
         if all(g is None for g in grads):
-            raise FxnxValueError("loss does not depend on the output the router returned")
+            raise unrelated
         credit: list[Any] = [None] * len(flat)
         for i, g in zip(slots, grads, strict=True):
             credit[i] = g
-        return pytree.tree_unflatten(credit, spec)
+        return credit
 
     @staticmethod
     def _accumulate(plan: Plan, params: dict[str, Tensor], *, aliased: bool) -> None:
@@ -295,6 +312,14 @@ class CreditRouter:
                     p.grad += g
 
 
+def _not_autograd(_: Tensor) -> None:
+    """Hooked on the router's output: ``loss.backward()`` would stop there, silently."""
+    raise FxnxValueError(
+        "loss.backward() cannot train through a CreditRouter: the output router(x) returns "
+        "ends the autograd graph. Call router.backward(loss) instead"
+    )
+
+
 def _preset(rule: Any) -> Preset:
     if isinstance(rule, str):
         if rule not in PRESETS:
@@ -312,13 +337,14 @@ def _preset(rule: Any) -> Preset:
     )
 
 
-def output_credit_like(output: Any, given: Any) -> Any:
-    """``given`` checked against the output's structure and shapes; None means ones."""
+def output_credit_like(output: Any, given: Any) -> list[Any]:
+    """``given`` checked against the output's structure and shapes, as one credit per leaf of
+    ``output`` (``tree_flatten`` order); None means ones."""
     if given is None:
-        return pytree.tree_map(
-            lambda t: torch.ones_like(t) if isinstance(t, Tensor) and t.is_floating_point() else None,
-            output,
-        )
+        return [
+            torch.ones_like(t) if isinstance(t, Tensor) and t.is_floating_point() else None
+            for t in pytree.tree_leaves(output)
+        ]
     out_flat, spec = pytree.tree_flatten(output)
     given_flat, given_spec = pytree.tree_flatten(given)
     if len(out_flat) != len(given_flat):
@@ -343,7 +369,4 @@ def output_credit_like(output: Any, given: Any) -> Any:
             raise FxnxValueError(
                 f"{where} has shape {tuple(g.shape)}, the output {tuple(out.shape)}"
             )
-    return pytree.tree_unflatten(
-        [g.to(out.dtype) if isinstance(g, Tensor) else g for out, g in zip(out_flat, given_flat, strict=True)],
-        spec,
-    )
+    return [g.to(out.dtype) if isinstance(g, Tensor) else g for out, g in zip(out_flat, given_flat, strict=True)]

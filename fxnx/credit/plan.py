@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
@@ -28,7 +29,7 @@ from .._compat import pytree
 from ..analysis import topological_order
 from ..capturing.shapes import node_failure
 from ..errors import FxnxValueError
-from .record import Credit, NodeCall, detached, fresh_leaf, run_node
+from .record import Credit, NodeCall, detached, fresh_leaf, run_node, written_input
 from .rules import RoutingState
 
 __all__ = ["Plan", "Tape", "compile_plan"]
@@ -54,10 +55,29 @@ class _Entry:
 
 @dataclass
 class Tape:
-    """One recorded forward pass: each computing node's call, and the model's output."""
+    """One recorded forward pass: each computing node's call, and the model's output.
+
+    ``output`` is what the graph's output node took (a flat tuple for graphs from
+    ``torch.export``); ``result`` is the output as the model returns it (the graph's
+    codegen rebuilds the structure: a ``ModelOutput``, a dict), made of the same tensors.
+    """
 
     calls: list[NodeCall | None]
     output: Any
+    result: Any = None
+
+    def graph_credit(self, flat: Sequence[Credit]) -> Credit:
+        """Credit for each leaf of ``result`` (``tree_flatten`` order), in the structure of
+        ``output``: what the graph's output node routes."""
+        leaves, spec = pytree.tree_flatten(self.result)
+        if self.result is self.output:
+            return pytree.tree_unflatten(list(flat), spec)
+        where = {id(t): k for k, t in enumerate(leaves) if isinstance(t, Tensor)}
+        out_leaves, out_spec = pytree.tree_flatten(self.output)
+        return pytree.tree_unflatten(
+            [flat[where[id(t)]] if isinstance(t, Tensor) and id(t) in where else None for t in out_leaves],
+            out_spec,
+        )
 
 
 @dataclass
@@ -69,6 +89,7 @@ class Plan:
     backward_order: list[_Entry]
     slots: int
     params: dict[str, Tensor]  # qualified name to every trainable parameter credit can reach
+    counters: list[Tensor] = field(default_factory=list)  # see _untraced_counters
 
     @property
     def rules(self) -> dict[str, Any]:
@@ -126,7 +147,11 @@ class Plan:
                 sources=skeleton.sources, labels=skeleton.labels, inputs=leaves, output=out,
                 params=skeleton.params, wanted=skeleton.wanted, args=args, kwargs=kwargs,
             ))
-        return Tape(calls, output)
+        if self.counters:
+            with torch.no_grad():
+                for counter in self.counters:
+                    counter.add_(1)
+        return Tape(calls, output, self.gm.graph.process_outputs(output))
 
     def backward(
         self, tape: Tape, output_credit: Credit, state: RoutingState, *, keep: bool = True
@@ -212,6 +237,7 @@ def compile_plan(
                 entry.param = param_names[id(value)]
         entries[node.name] = entry
     _check_nodes(G, list(entries))
+    _check_writes(gm)
 
     order = {n: i for i, n in enumerate(topological_order(G))}
     needs = _needs_credit(G, order, entries) if training else None
@@ -247,7 +273,32 @@ def compile_plan(
         if entry.param is not None:
             params[entry.param] = fetch_attr(gm, entry.node.target)  # type: ignore[arg-type]
     backward_order = [entries[n] for n in reversed(order)]
-    return Plan(gm, forward_order, backward_order, len(slot_of), params)
+    return Plan(gm, forward_order, backward_order, len(slot_of), params, _untraced_counters(gm, model))
+
+
+def _untraced_counters(gm: fx.GraphModule, model: Any) -> list[Tensor]:
+    """The ``num_batches_tracked`` buffers the model's forward bumps but the graph does not.
+
+    A batch norm written in Python (timm's ``BatchNormAct2d``) runs
+    ``self.num_batches_tracked.add_(1)`` on a real buffer: a symbolic trace runs it
+    once while tracing and records nothing. Such a module, traced through (no
+    ``call_module`` node calls it or a module holding it), in training mode with
+    ``track_running_stats``, and whose counter no node reads, has its counter
+    bumped once per forward, as ``nn.BatchNorm2d`` bumps its own.
+    """
+    if not isinstance(model, nn.Module):
+        return []
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    read = {id(fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}  # type: ignore[arg-type]
+    counters = []
+    for path, module in model.named_modules():
+        counter = getattr(module, "num_batches_tracked", None)
+        if not (isinstance(counter, Tensor) and module.training and getattr(module, "track_running_stats", False)):
+            continue
+        if id(counter) in read or any(path == c or path.startswith(c + ".") or not c for c in called):
+            continue
+        counters.append(counter)
+    return counters
 
 
 def _number_calls(forward_order: list[_Entry]) -> None:
@@ -270,6 +321,30 @@ def _is_constant(entry: _Entry) -> bool:
     return not isinstance(fetch_attr(node.graph.owning_module, node.target), nn.Parameter)  # type: ignore[arg-type]
 
 
+def _check_writes(gm: fx.GraphModule) -> None:
+    """Refuse a value written in place and read again afterwards under its old name.
+
+    ``h.relu_()`` with its result dropped, then ``l2(h)``: the model's ``l2`` reads
+    the written values, but the captured graph (and ``G``) has ``l2`` read ``h``
+    itself, so neither the forward nor the credit would follow the model.
+    """
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        written = written_input(node)
+        if written is None or written.op == "get_attr":  # buffers: updated as in model(x)
+            continue
+        later = sorted((u for u in written.users if position[u] > position[node]), key=position.__getitem__)
+        if later:
+            raise FxnxValueError(
+                f"node {node.name!r} writes into {written.name!r} in place, and later nodes "
+                f"({', '.join(repr(u.name) for u in later[:4])}) read {written.name!r} again: "
+                "the model's forward reads the written values there, but the captured graph "
+                f"reads {written.name!r} as it was, so credit cannot follow the model. In the "
+                "model, use the in-place call's result (h = h.relu_() or h = torch.relu(h)), "
+                "or convert with routes='export' (which records the write)"
+            )
+
+
 def _needs_credit(G: nx.MultiDiGraph, order: Mapping[str, int], entries: Mapping[str, _Entry]) -> dict[str, bool]:
     """Whether credit at each node can reach a trainable parameter (through G's edges)."""
     needs: dict[str, bool] = {}
@@ -288,7 +363,8 @@ def _check_nodes(G: nx.MultiDiGraph, model_nodes: list[str]) -> None:
         raise FxnxValueError(
             f"G lacks nodes the model computes: {missing[:8]}{' …' if len(missing) > 8 else ''}. "
             "Route over the graph fxnx.convert made from this model (with the same "
-            "leaf_modules and concrete_args); to cut credit paths, remove edges, not nodes."
+            "leaf_modules and concrete_args); to cut credit paths, remove edges, not nodes. "
+            "If the model changed since G was converted, convert it again and build a new router."
         )
     if extra:
         raise FxnxValueError(

@@ -23,6 +23,7 @@ from torch import nn
 
 from .record import NodeCall
 from .rules import DirectFeedbackAlignment, FeedbackAlignment, Rule, SignSymmetry
+from .transport import CONTAINERS
 
 __all__ = ["PRESETS", "Preset", "method"]
 
@@ -110,8 +111,9 @@ def lookup(call: NodeCall, table: Mapping[Any, Rule]) -> Rule | None:
     return None
 
 
-#: The layers whose weight carries credit back to their input.
-_WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+#: The layers whose weight carries credit back to their input, and the torch.nn modules a
+#: symbolic trace keeps whole that hold such layers (nn.TransformerEncoder).
+_WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, *CONTAINERS)
 
 
 def _every(rule: Rule) -> dict[Any, Rule]:

@@ -12,6 +12,7 @@ the NetworkX graph rather than torch's autograd graph, at the cost of one
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +21,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .._compat import pytree
+from .._compat import OpOverload, op_schema, pytree
 
-__all__ = ["NodeCall", "run_node"]
+__all__ = ["NodeCall", "run_node", "written_input"]
 
 #: Credit for one input occurrence or one output: a tensor, None (no credit), or a tuple/list
 #: of those for nodes that take or produce several tensors.
@@ -179,9 +180,10 @@ def run_node(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) ->
     target = node.target
     if kwargs.get("inplace") is True:
         kwargs = {**kwargs, "inplace": False}
-    if node.op == "call_method" and target.endswith("_") and not target.startswith("__"):  # type: ignore[union-attr]
-        if hasattr(torch.Tensor, target[:-1]):  # type: ignore[index]
-            target = target[:-1]  # type: ignore[index]
+    if _is_inplace_method(node) and isinstance(args[0], Tensor) and args[0].requires_grad:
+        # Only a leaf of ours is written out of place: a buffer (``self.count.add_(1)``,
+        # timm's ``num_batches_tracked``) must change as it does in ``model(x)``.
+        target = target[:-1]  # type: ignore[index]
     with torch.enable_grad(), _out_of_place(module):
         try:
             return _call(node.op, target, module, args, kwargs)
@@ -190,6 +192,53 @@ def run_node(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) ->
                 raise
             # An in-place write we could not see coming (inside a custom leaf module).
             return _call(node.op, target, module, _clone_tensors(args), _clone_tensors(kwargs))
+
+
+#: Augmented assignment, as torch.fx records ``x += y``.
+_AUGMENTED = frozenset({
+    operator.iadd, operator.iand, operator.ifloordiv, operator.ilshift, operator.imatmul,
+    operator.imod, operator.imul, operator.ior, operator.ipow, operator.irshift, operator.isub,
+    operator.itruediv, operator.ixor,
+})
+
+
+def _is_inplace_method(node: fx.Node) -> bool:
+    """``x.relu_()``: a tensor method writing into ``x``, with an out-of-place twin."""
+    target = node.target
+    return (
+        node.op == "call_method" and isinstance(target, str) and target.endswith("_")
+        and not target.startswith("__") and hasattr(torch.Tensor, target[:-1])
+    )
+
+
+def written_input(node: fx.Node) -> fx.Node | None:
+    """The node whose value ``node`` writes into in place, or None.
+
+    In-place methods (``x.relu_()``), modules and functions called with
+    ``inplace=True`` (``nn.ReLU(inplace=True)``), augmented assignment
+    (``operator.iadd``) and ATen's in-place overloads (``aten.add_``) write into
+    their first argument.
+    """
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    target = node.target
+    module = node.graph.owning_module.get_submodule(target) if node.op == "call_module" else None  # type: ignore[arg-type, union-attr]
+    inplace = (
+        _is_inplace_method(node)
+        or node.kwargs.get("inplace") is True
+        or getattr(module, "inplace", None) is True
+        or (node.op == "call_function" and target in _AUGMENTED)
+        or _writes_first_argument(target)
+    )
+    return first if inplace else None
+
+
+def _writes_first_argument(target: Any) -> bool:
+    """An ATen overload whose schema marks its first argument written (``aten.add_``)."""
+    schema = op_schema(target) if isinstance(target, OpOverload) else None
+    arguments = getattr(schema, "arguments", None)
+    return bool(arguments) and bool(getattr(arguments[0], "is_write", False))
 
 
 def _call(op: str, target: Any, module: nn.Module | None, args: Any, kwargs: Any) -> Any:

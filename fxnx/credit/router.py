@@ -105,7 +105,7 @@ def route_credit(
     # Buffers are restored only after the backward: eval-mode BatchNorm's backward reads them.
     with TRACING_LOCK, preserved(model):
         plan, tape = router._record(inputs, kwargs, training=False)
-        credit = output_credit_like(tape.output, output_credit)
+        credit = tape.graph_credit(output_credit_like(tape.result, output_credit))
         state = RoutingState(seed=seed, output_credit=credit)
         node_credit, param_credit, used = plan.backward(tape, credit, state)
     result = CreditResult(
@@ -114,7 +114,7 @@ def route_credit(
         rules=used,
         rule=router.preset.name,
         feedback=router.feedback,
-        output=pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tape.output),
+        output=pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tape.result),
     )
     nx.set_node_attributes(G, result.norms(), "credit_norm")
     G.graph["credit_rule"] = result.rule

@@ -11,6 +11,7 @@ backward uses ``B``; the softmax attention itself is differentiated exactly.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any
@@ -19,12 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._compat import pytree
 from ..errors import FxnxTypeError, FxnxValueError
 from .record import Credit, NodeCall
 
 __all__ = ["attention", "feedback_weights", "transported"]
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+#: torch.nn modules that torch.fx keeps whole (every ``torch.nn`` module is a leaf of a
+#: symbolic trace) and that hold linear layers and attention: feedback weights replace theirs.
+CONTAINERS = (
+    nn.Transformer, nn.TransformerDecoder, nn.TransformerDecoderLayer, nn.TransformerEncoder,
+    nn.TransformerEncoderLayer,
+)
 
 
 def feedback_weights(call: NodeCall) -> dict[str, Tensor]:
@@ -38,10 +47,16 @@ def feedback_weights(call: NodeCall) -> dict[str, Tensor]:
         else:
             weights = {n: getattr(module, n) for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight")}
         return {**weights, "out_proj.weight": module.out_proj.weight}
+    if isinstance(module, CONTAINERS):
+        return {
+            f"{path}.{name}": W for path, layer in _inner_layers(module)
+            for name, W in feedback_weights(NodeCall(call.name, "call_module", path, layer, [], [], [], None, {})).items()
+        }
     kind = type(module).__qualname__ if module is not None else f"{call.op} {call.target!r}"
     raise FxnxTypeError(
         f"node {call.name!r} ({kind}) has no weight to replace with feedback weights; "
-        "feedback rules apply to nn.Linear, nn.Conv1d/2d/3d and nn.MultiheadAttention"
+        "feedback rules apply to nn.Linear, nn.Conv1d/2d/3d, nn.MultiheadAttention and the "
+        "nn.Transformer* modules that hold them"
     )
 
 
@@ -49,12 +64,78 @@ def transported(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[l
     """The layer's credit with each weight ``W`` replaced by ``B[name]`` for the input's credit."""
     if isinstance(call.module, nn.MultiheadAttention):
         return _attention_credit(call, credit, B)
+    if isinstance(call.module, CONTAINERS):
+        return _container_credit(call, credit, B)
     _, param_credit = call.exact(credit, inputs=False)
     inputs: list[Credit] = [None] * len(call.inputs)
     x = call.inputs[0] if call.inputs else None
     if isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[0]):
         inputs[0] = _input_credit(call.module, x, credit, B["weight"].to(credit))
     return inputs, param_credit
+
+
+def _inner_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The linear layers and attention modules inside ``module``, outermost only (not the
+    ``out_proj`` inside an attention)."""
+    found: list[tuple[str, nn.Module]] = []
+    for path, sub in module.named_modules():
+        if any(path.startswith(p + ".") for p, _ in found):
+            continue
+        if isinstance(sub, nn.MultiheadAttention | nn.Linear):
+            found.append((path, sub))
+    return found
+
+
+def _container_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[list[Credit], dict[str, Tensor]]:
+    """The VJP of the module recomputed with each inner linear layer and attention sending
+    credit to its input through its feedback weights (their own weights get exact credit)."""
+    module = call.module
+    assert module is not None
+    dropping = [p for p, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if module.training and dropping:
+        raise FxnxValueError(
+            f"feedback weights inside {type(module).__qualname__} (node {call.name!r}) need its "
+            f"dropout off in training mode ({dropping[0]} has p={module.get_submodule(dropping[0]).p}): "
+            "the recomputed module cannot replay the dropout masks; set dropout=0, or route it "
+            f"exactly: rules={{{call.name!r}: fxnx.Exact()}}"
+        )
+    like = next(c for c in pytree.tree_leaves(credit) if isinstance(c, Tensor))
+    patched = []
+    try:
+        for path, layer in _inner_layers(module):
+            mine = {n[len(path) + 1:]: b.to(like) for n, b in B.items() if n.startswith(path + ".")}
+            if isinstance(layer, nn.MultiheadAttention):
+                layer.forward = functools.partial(attention, layer, feedback=mine)  # type: ignore[method-assign]
+            else:
+                layer.forward = functools.partial(_feedback_linear, layer, mine["weight"])  # type: ignore[method-assign]
+            patched.append(layer)
+        with torch.enable_grad():
+            out = module(*call.args, **call.kwargs)
+    finally:
+        for layer in patched:
+            del layer.forward
+    pairs = [(o, c) for o, c in zip(pytree.tree_leaves(out), pytree.tree_leaves(credit), strict=False)
+             if isinstance(o, Tensor) and isinstance(c, Tensor) and o.requires_grad]
+    return _recomputed_vjp(call, pairs)
+
+
+def _recomputed_vjp(call: NodeCall, pairs: list[tuple[Tensor, Tensor]]) -> tuple[list[Credit], dict[str, Tensor]]:
+    """Credit for ``call``'s wanted inputs and its parameters, from (output, credit) pairs of
+    a recomputation of the node on its recorded leaves."""
+    wanted = [i for i, x in enumerate(call.inputs)
+              if isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[i])]
+    names = list(call.params)
+    wrt = [call.inputs[i] for i in wanted] + [call.params[n] for n in names]
+    got = torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
+    inputs: list[Credit] = [None] * len(call.inputs)
+    for i, g in zip(wanted, got, strict=False):
+        inputs[i] = g
+    params = {n: g for n, g in zip(names, got[len(wanted):], strict=True) if g is not None}
+    return inputs, params
+
+
+def _feedback_linear(layer: nn.Linear, B: Tensor, x: Tensor) -> Tensor:
+    return _FeedbackLinear.apply(x, layer.weight, layer.bias, B)
 
 
 def _input_credit(module: Any, x: Tensor, credit: Tensor, B: Tensor) -> Tensor:
@@ -195,13 +276,4 @@ def _attention_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> t
     out, weights = attention(module, **arguments, feedback={p: b.to(like) for p, b in B.items()})  # type: ignore[arg-type]
     pairs = [(o, c) for o, c in zip((out, weights), credit, strict=False)
              if isinstance(o, Tensor) and isinstance(c, Tensor)]
-    wanted = [i for i, x in enumerate(call.inputs)
-              if isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[i])]
-    names = list(call.params)
-    wrt = [call.inputs[i] for i in wanted] + [call.params[n] for n in names]
-    got = torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
-    inputs: list[Credit] = [None] * len(call.inputs)
-    for i, g in zip(wanted, got, strict=False):
-        inputs[i] = g
-    params = {n: g for n, g in zip(names, got[len(wanted):], strict=True) if g is not None}
-    return inputs, params
+    return _recomputed_vjp(call, pairs)
