@@ -355,8 +355,8 @@ def test_feedback_inside_a_transformer_encoder():
     model, x = _encoder()
     model = model.double()
     x = x.double()
-    G = fxnx.convert(model, x)
-    assert G.graph["capture"] == "symbolic_trace" and "enc" in G  # kept whole by torch.fx
+    G = fxnx.convert(model, x, leaf_modules="torch.nn")
+    assert G.graph["capture"] == "symbolic_trace" and "enc" in G  # kept whole: torch.fx's rule
     credit = torch.randn(2, 5, dtype=torch.float64)
     # The oracle: autograd's credit at the encoder's input.
     ref = copy.deepcopy(model)
@@ -381,6 +381,30 @@ def test_feedback_inside_a_transformer_encoder():
     again(x)
     res = again.backward(output_credit=credit, node_credit=True)
     torch.testing.assert_close(res.node_credit["inp"], exact_in, rtol=1e-12, atol=1e-14)
+
+
+def test_feedback_alignment_reaches_every_layer_of_a_traced_encoder():
+    """By default the encoder is traced into: its linear layers and attention are nodes of G."""
+    torch.manual_seed(0)
+    model, x = _encoder()
+    model, x = model.double(), x.double()
+    G = fxnx.convert(model, x)
+    assert "enc" not in G
+    credit = torch.randn(2, 5, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    x_ = x.clone().requires_grad_()
+    out = ref(x_)
+    grads = dict(zip([n for n, _ in ref.named_parameters()],
+                     torch.autograd.grad(out, [*ref.parameters()], credit), strict=True))
+
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment", seed=0)
+    router(x)
+    res = router.backward(output_credit=credit)
+    fa_nodes = {n for n, r in res.rules.items() if r == "feedback_alignment"}
+    assert {f"enc_layers_{i}_{m}" for i in (0, 1) for m in ("linear1", "linear2", "self_attn")} <= fa_nodes
+    moved = (res.param_credit["inp.weight"] - grads["inp.weight"]).norm()
+    assert moved > 1e-3 * grads["inp.weight"].norm()  # credit crossed feedback weights
+    torch.testing.assert_close(res.param_credit["head.weight"], grads["head.weight"], rtol=1e-12, atol=0)
 
 
 @pytest.mark.slow
