@@ -146,6 +146,7 @@ class Plan:
                 name=skeleton.name, op=skeleton.op, target=skeleton.target, module=skeleton.module,
                 sources=skeleton.sources, labels=skeleton.labels, inputs=leaves, output=out,
                 params=skeleton.params, wanted=skeleton.wanted, args=args, kwargs=kwargs,
+                param_inputs=skeleton.param_inputs,
             ))
         if self.counters:
             with torch.no_grad():
@@ -229,6 +230,7 @@ def compile_plan(
             name=node.name, op=node.op, target=node.target, module=module,
             sources=[src.name for _, src in occ], labels=[label for label, _ in occ],
             inputs=[], output=None, params=params,
+            param_inputs=_param_inputs(gm, [src.name for _, src in occ], entries),
         )
         entry = _Entry(node=node, call=call, grad=[])
         if node.op == "get_attr":
@@ -299,6 +301,17 @@ def _untraced_counters(gm: fx.GraphModule, model: Any) -> list[Tensor]:
             continue
         counters.append(counter)
     return counters
+
+
+def _param_inputs(gm: fx.GraphModule, sources: list[str], entries: dict[str, _Entry]) -> dict[int, tuple[str, Tensor]]:
+    """Input occurrence to (qualified name, parameter) for the sources that are trainable
+    parameters (get_attr nodes; their entries come before any node that reads them)."""
+    found = {}
+    for k, src in enumerate(sources):
+        entry = entries.get(src)
+        if entry is not None and entry.param is not None:
+            found[k] = (entry.param, fetch_attr(gm, entry.node.target))  # type: ignore[arg-type]
+    return found
 
 
 def _number_calls(forward_order: list[_Entry]) -> None:

@@ -15,10 +15,13 @@ dict) passed as ``rule=``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .record import NodeCall
@@ -52,7 +55,9 @@ class Preset(Mapping[Any, Rule]):
 
     Examples
     --------
-    >>> from torch import nn
+    >>> import torch
+import torch.nn.functional as F
+from torch import nn
     >>> from fxnx.credit import Exact
     >>> mine = PRESETS["feedback_alignment"] | {nn.Conv2d: Exact()}
     >>> mine.name, type(mine[nn.Conv2d]).__name__, type(mine[nn.Linear]).__name__
@@ -61,7 +66,7 @@ class Preset(Mapping[Any, Rule]):
 
     def __init__(self, name: str, table: Mapping[Any, Rule]) -> None:
         self.name = name
-        self._table = dict(table)
+        self._table: Mapping[Any, Rule] = MappingProxyType(dict(table))
 
     def __getitem__(self, kind: Any) -> Rule:
         return self._table[kind]
@@ -115,9 +120,27 @@ def lookup(call: NodeCall, table: Mapping[Any, Rule]) -> Rule | None:
 #: symbolic trace keeps whole that hold such layers (nn.TransformerEncoder).
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, *CONTAINERS)
 
+_aten = torch.ops.aten
+
+#: The functions that multiply an input by a weight: as a symbolic trace records them
+#: (``F.linear(x, self.weight)``, ``x @ self.W``) and as ``torch.export`` does. A node of
+#: these kinds follows the feedback rule where one of its arguments is a trainable parameter
+#: of two or more dimensions (each such parameter gets its own ``B``), and is routed exactly
+#: where none is (``q @ k.transpose(-2, -1)`` in attention).
+_WEIGHTED_FUNCTIONS = (
+    F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d, torch.addmm, torch.baddbmm, torch.bmm, torch.einsum, torch.matmul,
+    torch.mm, operator.matmul,
+    _aten.linear.default, _aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default,
+    _aten.conv1d.padding, _aten.conv2d.padding, _aten.conv3d.padding, _aten.convolution.default,
+    _aten.conv_transpose1d.default, _aten.conv_transpose2d.input, _aten.conv_transpose3d.input,
+    _aten.addmm.default, _aten.baddbmm.default, _aten.bmm.default, _aten.einsum.default,
+    _aten.matmul.default, _aten.mm.default,
+)
+
 
 def _every(rule: Rule) -> dict[Any, Rule]:
-    return dict.fromkeys(_WEIGHTED, rule)
+    return dict.fromkeys((*_WEIGHTED, *_WEIGHTED_FUNCTIONS), rule)
 
 
 #: The built-in presets, by the name ``rule=`` takes. Read-only: make your own with ``|``.

@@ -56,6 +56,10 @@ class NodeCall:
         the others (their credit is discarded).
     args, kwargs : tuple, dict
         The arguments the node was called with, ``inputs`` in their places.
+    param_inputs : dict
+        Input occurrence to ``(qualified name, parameter)`` for the occurrences
+        that are a trainable parameter of the model (a ``get_attr`` node): the
+        weight of ``F.linear(x, self.weight)`` or of an exported ``aten.linear``.
     """
 
     name: str
@@ -70,6 +74,12 @@ class NodeCall:
     wanted: list[bool] = field(default_factory=list)
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    param_inputs: dict[int, tuple[str, Tensor]] = field(default_factory=dict)
+
+    def wants(self, i: int) -> bool:
+        """Whether input occurrence ``i`` is a tensor that needs credit."""
+        x = self.inputs[i]
+        return isinstance(x, Tensor) and x.requires_grad and (not self.wanted or self.wanted[i])
 
     def exact(
         self, credit: Credit, *, inputs: bool = True, params: bool = True, retain_graph: bool = False
@@ -91,7 +101,7 @@ class NodeCall:
             Credit for each input occurrence (None where not wanted or not
             reachable) and for each parameter that received some.
         """
-        outs, grads = _pairs(self.output, credit)
+        outs, grads = pairs(self.output, credit)
         count = len(self.inputs)
         if not outs:
             return [None] * count, {}
@@ -127,7 +137,7 @@ class NodeCall:
         return input_credit, param_credit
 
 
-def _pairs(output: Any, credit: Credit) -> tuple[list[Tensor], list[Tensor]]:
+def pairs(output: Any, credit: Credit) -> tuple[list[Tensor], list[Tensor]]:
     """Output tensors that have credit and depend on something, with that credit.
 
     ``credit`` mirrors ``output``'s structure (None is a leaf in torch's pytree).
@@ -186,12 +196,12 @@ def run_node(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) ->
         target = target[:-1]  # type: ignore[index]
     with torch.enable_grad(), _out_of_place(module):
         try:
-            return _call(node.op, target, module, args, kwargs)
+            return call_target(node.op, target, module, args, kwargs)
         except RuntimeError as err:
             if "in-place" not in str(err):
                 raise
             # An in-place write we could not see coming (inside a custom leaf module).
-            return _call(node.op, target, module, _clone_tensors(args), _clone_tensors(kwargs))
+            return call_target(node.op, target, module, _clone_tensors(args), _clone_tensors(kwargs))
 
 
 #: Augmented assignment, as torch.fx records ``x += y``.
@@ -241,7 +251,7 @@ def _writes_first_argument(target: Any) -> bool:
     return bool(arguments) and bool(getattr(arguments[0], "is_write", False))
 
 
-def _call(op: str, target: Any, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
+def call_target(op: str, target: Any, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
     if module is not None:
         return module(*args, **kwargs)
     if op == "call_method":

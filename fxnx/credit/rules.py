@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from .._compat import pytree
 from ..errors import FxnxTypeError, FxnxValueError
 from .record import Credit, NodeCall
-from .transport import feedback_weights, transported
+from .transport import exact_parameters, feedback_weights, has_weights, transported
 
 __all__ = [
     "DirectFeedbackAlignment",
@@ -151,11 +151,13 @@ def _key(call: NodeCall, pname: str) -> str:
 
 def _public(weights: dict[str, Tensor]) -> Tensor | dict[str, Tensor]:
     """One tensor for a layer with one weight, else parameter name to tensor."""
-    return weights["weight"] if list(weights) == ["weight"] else weights
+    return next(iter(weights.values())) if len(weights) == 1 else weights
 
 
 def _given(call: NodeCall, weights: dict[str, Tensor], feedback: Any) -> dict[str, Tensor]:
     """The user's feedback for ``call`` as parameter name to tensor, shapes checked."""
+    if isinstance(feedback, Tensor) and len(weights) == 1:
+        feedback = dict.fromkeys(weights, feedback)
     given = {"weight": feedback} if isinstance(feedback, Tensor) else dict(feedback)
     if set(given) != set(weights):
         raise FxnxValueError(
@@ -190,6 +192,8 @@ class FeedbackAlignment(_Seeded):
     name = "feedback_alignment"
 
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        if _weightless(call):
+            return Exact().bind(call, seed, feedback)
         weights = feedback_weights(call)
         seed = seed if self.seed is None else self.seed
         bound = copy.copy(self)
@@ -246,6 +250,8 @@ class SignSymmetry(Rule):
         return f"{type(self).__name__}({self.magnitude!r}, seed={self.seed!r})"
 
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        if _weightless(call):
+            return Exact().bind(call, seed, feedback)
         weights = feedback_weights(call)
         seed = seed if self.seed is None else self.seed
         bound = copy.copy(self)
@@ -315,6 +321,8 @@ class DirectFeedbackAlignment(_Seeded):
     name = "direct_feedback_alignment"
 
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        if _weightless(call):
+            return Exact().bind(call, seed, feedback)
         bound = copy.copy(self)
         bound._seed = seed if self.seed is None else self.seed
         given = feedback if isinstance(feedback, (tuple, list)) else [feedback]
@@ -323,13 +331,12 @@ class DirectFeedbackAlignment(_Seeded):
         return bound
 
     def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
-        _, params = call.exact(credit, inputs=False)
+        inputs, params = exact_parameters(call, credit)
         e = _flat_output_credit(state.output_credit)
-        inputs: list[Credit] = [None] * len(call.inputs)
         if e is None:
             return inputs, params
         for i, x in enumerate(call.inputs):
-            if not (isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[i])):
+            if not call.wants(i) or i in call.param_inputs:
                 continue
             if x.dim() == 0 or x.shape[0] != e.shape[0]:
                 raise FxnxValueError(
@@ -360,6 +367,12 @@ class DirectFeedbackAlignment(_Seeded):
                 "shape without its batch dimension)"
             )
         return B
+
+
+def _weightless(call: NodeCall) -> bool:
+    """A function node with no weight (``x @ y`` of two activations, as in attention): a
+    feedback rule's preset matches its kind, but it is routed exactly."""
+    return call.module is None and not has_weights(call)
 
 
 def _flat_output_credit(output_credit: Any) -> Tensor | None:

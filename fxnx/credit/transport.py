@@ -7,10 +7,18 @@ parameters get their exact credit. For ``nn.MultiheadAttention``, whose
 projections are hidden inside one module, the attention is recomputed from
 functional pieces (:func:`attention`) with each projection a linear map whose
 backward uses ``B``; the softmax attention itself is differentiated exactly.
+
+Any other node with a trainable weight of two or more dimensions is
+recomputed with ``B`` in the weight's place, and its input credit is the VJP of
+that recomputation: a function node (``F.linear(x, self.weight)``,
+``aten.conv2d`` in an exported graph, ``torch.addmm(b, x, W)``, ``x @ self.W``)
+with each such parameter argument replaced, a module without a dedicated
+transport (transformers' ``Conv1D``) through ``torch.func.functional_call``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -22,9 +30,9 @@ from torch import Tensor, nn
 
 from .._compat import pytree
 from ..errors import FxnxTypeError, FxnxValueError
-from .record import Credit, NodeCall
+from .record import Credit, NodeCall, call_target, pairs
 
-__all__ = ["attention", "feedback_weights", "transported"]
+__all__ = ["attention", "exact_parameters", "feedback_weights", "has_weights", "transported"]
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -52,12 +60,40 @@ def feedback_weights(call: NodeCall) -> dict[str, Tensor]:
             f"{path}.{name}": W for path, layer in _inner_layers(module)
             for name, W in feedback_weights(NodeCall(call.name, "call_module", path, layer, [], [], [], None, {})).items()
         }
+    weights = _other_weights(call)
+    if weights:
+        return weights
     kind = type(module).__qualname__ if module is not None else f"{call.op} {call.target!r}"
     raise FxnxTypeError(
-        f"node {call.name!r} ({kind}) has no weight to replace with feedback weights; "
-        "feedback rules apply to nn.Linear, nn.Conv1d/2d/3d, nn.MultiheadAttention and the "
-        "nn.Transformer* modules that hold them"
+        f"node {call.name!r} ({kind}) has no weight to replace with feedback weights: no "
+        "trainable parameter of two or more dimensions is among its arguments or its module's "
+        "parameters; route it exactly, e.g. rules={" + repr(call.name) + ": fxnx.Exact()}"
     )
+
+
+def has_weights(call: NodeCall) -> bool:
+    """Whether ``call``'s node has a weight that feedback weights can replace."""
+    if isinstance(call.module, (*_LAYERS, nn.MultiheadAttention, *CONTAINERS)):
+        return True
+    return bool(_other_weights(call))
+
+
+def _other_weights(call: NodeCall) -> dict[str, Tensor]:
+    """A generic node's weights: the trainable parameters of two or more dimensions of its
+    module (by local name), or among a function node's arguments (by qualified name)."""
+    if call.module is not None:
+        return {n: p for n, p in call.module.named_parameters() if p.requires_grad and p.dim() >= 2}
+    return {name: p for name, p in call.param_inputs.values() if p.dim() >= 2}
+
+
+def exact_parameters(call: NodeCall, credit: Credit) -> tuple[list[Credit], dict[str, Tensor]]:
+    """Exact credit for ``call``'s parameters only: those its module owns, and its input
+    occurrences that are parameters (a function node's weight and bias); None elsewhere."""
+    if not call.param_inputs:
+        _, params = call.exact(credit, inputs=False)
+        return [None] * len(call.inputs), params
+    wanted = [call.wants(i) and i in call.param_inputs for i in range(len(call.inputs))]
+    return dataclasses.replace(call, wanted=wanted).exact(credit)
 
 
 def transported(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[list[Credit], dict[str, Tensor]]:
@@ -66,12 +102,57 @@ def transported(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[l
         return _attention_credit(call, credit, B)
     if isinstance(call.module, CONTAINERS):
         return _container_credit(call, credit, B)
+    if not isinstance(call.module, _LAYERS):
+        return _recomputed_credit(call, credit, B)
     _, param_credit = call.exact(credit, inputs=False)
     inputs: list[Credit] = [None] * len(call.inputs)
     x = call.inputs[0] if call.inputs else None
     if isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[0]):
         inputs[0] = _input_credit(call.module, x, credit, B["weight"].to(credit))
     return inputs, param_credit
+
+
+def _recomputed_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[list[Credit], dict[str, Tensor]]:
+    """Exact credit for the parameters; for the other inputs, the VJP of the node recomputed
+    with each weight replaced by its ``B`` (same call, same other arguments)."""
+    inputs, params = exact_parameters(call, credit)
+    data = [i for i in range(len(call.inputs)) if call.wants(i) and i not in call.param_inputs]
+    if not data:
+        return inputs, params
+    module = call.module
+    if module is not None:
+        _refuse_dropout(call, module)
+        swapped = {n: B[n].to(W) for n, W in _other_weights(call).items()}
+        with torch.enable_grad():
+            out = torch.func.functional_call(module, swapped, tuple(call.args), dict(call.kwargs))
+    else:
+        swap = {
+            id(call.inputs[k]): B[name].to(call.inputs[k])
+            for k, (name, W) in call.param_inputs.items() if name in B
+        }
+        args, kwargs = pytree.tree_map(
+            lambda v: swap.get(id(v), v) if isinstance(v, Tensor) else v, (call.args, call.kwargs)
+        )
+        with torch.enable_grad():
+            out = call_target(call.op, call.target, None, args, kwargs)
+    outs, grads = pairs(out, credit)
+    if outs:
+        got = torch.autograd.grad(outs, [call.inputs[i] for i in data], grads, allow_unused=True)
+        for i, g in zip(data, got, strict=True):
+            inputs[i] = g
+    return inputs, params
+
+
+def _refuse_dropout(call: NodeCall, module: nn.Module) -> None:
+    """A module recomputed in training mode must not draw dropout masks afresh."""
+    dropping = [p for p, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if module.training and dropping:
+        raise FxnxValueError(
+            f"feedback weights inside {type(module).__qualname__} (node {call.name!r}) need its "
+            f"dropout off in training mode ({dropping[0] or 'the module'} has p="
+            f"{module.get_submodule(dropping[0]).p}): the recomputed module cannot replay the "
+            f"dropout masks; set dropout=0, or route it exactly: rules={{{call.name!r}: fxnx.Exact()}}"
+        )
 
 
 def _inner_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -91,14 +172,7 @@ def _container_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> t
     credit to its input through its feedback weights (their own weights get exact credit)."""
     module = call.module
     assert module is not None
-    dropping = [p for p, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
-    if module.training and dropping:
-        raise FxnxValueError(
-            f"feedback weights inside {type(module).__qualname__} (node {call.name!r}) need its "
-            f"dropout off in training mode ({dropping[0]} has p={module.get_submodule(dropping[0]).p}): "
-            "the recomputed module cannot replay the dropout masks; set dropout=0, or route it "
-            f"exactly: rules={{{call.name!r}: fxnx.Exact()}}"
-        )
+    _refuse_dropout(call, module)
     like = next(c for c in pytree.tree_leaves(credit) if isinstance(c, Tensor))
     patched = []
     try:
