@@ -55,9 +55,7 @@ class Preset(Mapping[Any, Rule]):
 
     Examples
     --------
-    >>> import torch
-import torch.nn.functional as F
-from torch import nn
+    >>> from torch import nn
     >>> from fxnx.credit import Exact
     >>> mine = PRESETS["feedback_alignment"] | {nn.Conv2d: Exact()}
     >>> mine.name, type(mine[nn.Conv2d]).__name__, type(mine[nn.Linear]).__name__
