@@ -182,6 +182,15 @@ class FeedbackAlignment(_Seeded):
     of its projection weights while the attention itself is differentiated
     exactly). The layer's own parameters get their exact credit.
 
+    Layers written as functions (``F.linear(x, self.emb.weight)``, ``x @ self.W``,
+    the ``aten.linear``/``aten.conv2d``/``aten.addmm`` nodes of an exported graph)
+    and modules without a transport of their own (transformers' ``Conv1D``) are
+    recomputed with ``B`` in place of each trainable parameter of two or more
+    dimensions among their arguments (their module's parameters), and the input
+    credit is that recomputation's VJP; a function node with no such parameter
+    (``q @ k.transpose(-2, -1)``) is routed exactly. :attr:`feedback` is one
+    tensor for a node with one weight, else parameter name to tensor.
+
     Parameters
     ----------
     seed : int, optional
@@ -303,7 +312,10 @@ class DirectFeedbackAlignment(_Seeded):
     layer's output is what the nodes after it made of their projections (the
     exact VJP of the activation after it, the sum at a fan-out), and the layer's
     own parameters get the exact local credit given it. The last layer's
-    parameters get the output credit itself, as in the paper.
+    parameters get the output credit itself, as in the paper. A function node's
+    parameter arguments (the weight and bias of an exported ``aten.linear``) get
+    their exact credit; only its other inputs get projections, and a function
+    node with no weight of two or more dimensions is routed exactly.
 
     Parameters
     ----------
