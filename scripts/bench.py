@@ -141,57 +141,116 @@ def bench_draw(runs: int) -> None:
 
 
 def _draw_one(lib: str, name: str, runs: int, out: Path) -> tuple[float, bool]:
-    """One model of the drawing zoo: print its line, return (ratio, torchview capped)."""
+    """One model of the drawing zoo: print its line, return (ratio, torchview capped).
+
+    Each side runs in a process of its own, kept for all its runs: torchview leaves
+    objects behind that make the garbage collector, and so any later code in the same
+    process, slower (fxnx's convert ran 10x slower after torchview on DenseNet).
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    sides = {}
+    for side in ("ours", "torchview"):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_draw_worker, args=(child, side, lib, name, str(out)), daemon=True)
+        proc.start()
+        sides[side] = (parent, proc)
+
+    def run(side: str) -> Callable[[], float]:
+        def remote() -> float:
+            conn = sides[side][0]
+            conn.send("run")
+            return conn.recv()
+        return remote
+
+    try:
+        view, capped = run("torchview")()
+        if capped:  # one capped run is enough: its time is a lower bound
+            t_view = view
+            t_ours = statistics.median(run("ours")()[0] for _ in range(runs))
+        else:
+            t_ours, t_view = _interleaved_remote(run("ours"), run("torchview"), runs)
+        conn = sides["ours"][0]
+        conn.send("parts")
+        nodes, depth, t_convert, t_draw = conn.recv()
+    finally:
+        for conn, proc in sides.values():
+            conn.send("stop")
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    ratio = t_ours / t_view
+    print(
+        f"draw {lib} {name} ({nodes} nodes, PNG at depth {depth}): "
+        f"{'<' if capped else ''}{ratio:.2f}x of torchview (median of {runs}: {t_ours:.2f} s vs "
+        f"{'>' if capped else ''}{t_view:.2f} s; convert {t_convert:.2f} s, draw {t_draw:.2f} s)",
+        flush=True,
+    )
+    return ratio, capped
+
+
+def _interleaved_remote(
+    candidate: Callable[[], tuple[float, bool]], baseline: Callable[[], tuple[float, bool]], runs: int
+) -> tuple[float, float]:
+    """As :func:`_interleaved`, for sides that time themselves in their own process."""
+    candidate(), baseline()
+    times_c, times_b = [], []
+    for i in range(runs):
+        pair = [(candidate, times_c), (baseline, times_b)]
+        for fn, out in pair if i % 2 == 0 else pair[::-1]:
+            out.append(fn()[0])
+    return statistics.median(times_c), statistics.median(times_b)
+
+
+def _draw_worker(conn, side: str, lib: str, name: str, out: str) -> None:
+    """A process that builds one model and times one side of the drawing benchmark on request."""
     import subprocess
     import warnings
 
     import timm
-    from torchview import draw_graph
 
+    warnings.simplefilter("ignore")
     torch.manual_seed(0)
     if lib == "timm":
         model = timm.create_model(name, pretrained=False).eval()
     else:
         model = torchvision.models.get_model(name, weights=None).eval()
     x = torch.randn(1, 3, 224, 224)
-    capped = False
+    folder = Path(out)
 
-    def ours() -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fxnx.draw(fxnx.convert(model, x), out / "fxnx.png")
+    def ours() -> bool:
+        fxnx.draw(fxnx.convert(model, x), folder / "fxnx.png")
+        return False
 
-    def torchview() -> None:
-        nonlocal capped
+    def torchview() -> bool:
+        from torchview import draw_graph
+
         graph = draw_graph(model, input_size=(1, 3, 224, 224), depth=10**6, device="cpu",
-                           directory=str(out))
+                           directory=out)
         try:
-            subprocess.run(["dot", "-Tpng", "-o", str(out / "torchview.png")], check=True,
+            subprocess.run(["dot", "-Tpng", "-o", str(folder / "torchview.png")], check=True,
                            input=graph.visual_graph.source.encode(), capture_output=True,
                            timeout=TORCHVIEW_CAP)
         except subprocess.TimeoutExpired:
-            capped = True
+            return True
+        return False
 
-    t_view = _timed(torchview)
-    if capped:  # one capped run is enough: its time is a lower bound
-        t_ours = statistics.median(_timed(ours) for _ in range(runs))
-    else:
-        t_ours, t_view = _interleaved(ours, torchview, runs)
-    t_convert = statistics.median(_timed(lambda: fxnx.convert(model, x)) for _ in range(runs))
-    G = fxnx.convert(model, x)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        t_draw = _timed(lambda: fxnx.draw(G, out / "fxnx.png"))
-    depth = next((str(w.message).split("below depth ")[1].split(".")[0] for w in caught
-                  if "below depth" in str(w.message)), "full")
-    ratio = t_ours / t_view
-    print(
-        f"draw {lib} {name} ({G.number_of_nodes()} nodes, PNG at depth {depth}): "
-        f"{'<' if capped else ''}{ratio:.2f}x of torchview (median of {runs}: {t_ours:.2f} s vs "
-        f"{'>' if capped else ''}{t_view:.2f} s; convert {t_convert:.2f} s, draw {t_draw:.2f} s)",
-        flush=True,
-    )
-    return ratio, capped
+    fn = ours if side == "ours" else torchview
+    while (message := conn.recv()) != "stop":
+        if message == "run":
+            start = time.perf_counter()
+            capped = fn()
+            conn.send((time.perf_counter() - start, capped))
+        else:  # "parts": convert and drawing timed apart, and the depth drawn
+            t_convert = statistics.median(_timed(lambda: fxnx.convert(model, x)) for _ in range(3))
+            G = fxnx.convert(model, x)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                t_draw = _timed(lambda G=G: fxnx.draw(G, folder / "fxnx.png"))
+            depth = next((str(w.message).split("below depth ")[1].split(".")[0] for w in caught
+                          if "below depth" in str(w.message)), "full")
+            conn.send((G.number_of_nodes(), depth, t_convert, t_draw))
 
 
 def _timed(fn: Callable[[], object]) -> float:
