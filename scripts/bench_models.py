@@ -13,25 +13,15 @@ Run: ``python scripts/bench_models.py [--repeats N]``. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
-from collections.abc import Callable
 
 import timm
 import torch
 import transformers
+from bench import _interleaved  # scripts/ is on sys.path when this script runs
 
 import fxnx
-
-
-def _median(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _autograd_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -50,8 +40,10 @@ def credit_vs_autograd(name: str, config: object, repeats: int) -> float:
     start = time.perf_counter()
     fxnx.route_credit(G, model, ids, kwargs={"attention_mask": mask})
     first = time.perf_counter() - start
-    base = _median(lambda: _autograd_step(model, ids, mask), repeats)
-    ours = _median(lambda: fxnx.route_credit(G, model, ids, kwargs={"attention_mask": mask}), repeats)
+    ours, base = _interleaved(  # run by run, alternating, so drift hits both alike
+        lambda: fxnx.route_credit(G, model, ids, kwargs={"attention_mask": mask}),
+        lambda: _autograd_step(model, ids, mask), repeats,
+    )
     print(f"{name:<22} {len(G):>5} nodes ({G.graph['capture']})  autograd {base:6.2f} s  "
           f"route_credit {ours:6.2f} s  ratio {ours / base:.2f}x  (first call {first:.1f} s)")
     return ours / base
@@ -60,8 +52,8 @@ def credit_vs_autograd(name: str, config: object, repeats: int) -> float:
 def export_vs_symbolic(repeats: int) -> float:
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False).eval()
     x = torch.randn(1, 3, 224, 224)
-    symbolic = _median(lambda: fxnx.convert(model, x, routes="symbolic_trace"), repeats)
-    export = _median(lambda: fxnx.convert(model, x, routes="export"), repeats)
+    export, symbolic = _interleaved(lambda: fxnx.convert(model, x, routes="export"),
+                                    lambda: fxnx.convert(model, x, routes="symbolic_trace"), repeats)
     print(f"{'timm vit_tiny convert':<22} symbolic_trace {symbolic:6.2f} s  export {export:6.2f} s"
           f"  ratio {export / symbolic:.2f}x")
     return export / symbolic

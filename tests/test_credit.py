@@ -769,3 +769,28 @@ def test_the_kept_capture_stays_out_of_copies_and_pickles():
     assert nx.utils.graphs_equal(G, H) and nx.utils.graphs_equal(G, copy.deepcopy(G))
     res = fxnx.route_credit(H, model, x)  # an unpickled graph routes as well
     assert res.node_credit["x"] is not None
+
+
+def test_repeated_calls_compile_the_plan_once_and_follow_edits_of_g(monkeypatch):
+    from fxnx.credit import engine
+
+    compiled = []
+    real = engine.compile_plan
+    monkeypatch.setattr(engine, "compile_plan", lambda *a, **k: compiled.append(1) or real(*a, **k))
+    G, model, x = _skip()
+    first = fxnx.route_credit(G, model, x)
+    again = fxnx.route_credit(G, model, x)
+    assert len(compiled) == 1  # the second call reused the plan
+    assert all(torch.equal(first.param_credit[k], again.param_credit[k]) for k in first.param_credit)
+    u, v, key = next((u, v, k) for u, v, k in G.edges(keys=True) if v == "add")
+    G.remove_edge(u, v, key)  # an edit of G: a new plan, and credit that follows the cut
+    cut = fxnx.route_credit(G, model, x)
+    assert len(compiled) == 2
+    fresh = fxnx.route_credit(copy.deepcopy(G), model, x)  # a copy starts without kept routers
+    assert all(torch.equal(cut.param_credit[k], fresh.param_credit[k]) for k in fresh.param_credit)
+    assert all(torch.equal(cut.node_credit[k], fresh.node_credit[k]) for k in fresh.node_credit
+               if fresh.node_credit[k] is not None)
+    assert not torch.equal(cut.node_credit["x"], first.node_credit["x"])  # the cut shows
+    fxnx.route_credit(G, model, x, rule="brsf")
+    fxnx.route_credit(G, model, x, rule="brsf")
+    assert len(compiled) == 5  # (the deep copy's, then) brSF redraws per run: never kept

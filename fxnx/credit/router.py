@@ -22,6 +22,7 @@ from .._state import preserved
 from ..capturing import TRACING_LOCK
 from ..capturing.options import LeafSpec
 from .engine import CreditRouter, output_credit_like
+from .presets import PRESETS
 from .result import CreditResult
 from .rules import RoutingState
 
@@ -98,16 +99,14 @@ def route_credit(
     >>> torch.allclose(res.node_credit["input_1"], torch.autograd.grad(model(x_).sum(), x_)[0])
     True
     """
-    router = CreditRouter(
-        G, model, rule, rules=rules, seed=seed, feedback=feedback,
-        leaf_modules=leaf_modules, concrete_args=concrete_args,
-    )
+    router = _router(G, model, rule, rules, seed, feedback, leaf_modules, concrete_args)
     # Buffers are restored only after the backward: eval-mode BatchNorm's backward reads them.
     with TRACING_LOCK, preserved(model):
         plan, tape = router._record(inputs, kwargs, training=False)
         credit = tape.graph_credit(output_credit_like(tape.result, output_credit))
         state = RoutingState(seed=seed, output_credit=credit)
-        node_credit, param_credit, used = plan.backward(tape, credit, state)
+        norms: dict[str, float | None] = {}
+        node_credit, param_credit, used = plan.backward(tape, credit, state, norms=norms)
     result = CreditResult(
         node_credit=node_credit,
         param_credit=param_credit,
@@ -116,6 +115,49 @@ def route_credit(
         feedback=router.feedback,
         output=pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tape.result),
     )
-    nx.set_node_attributes(G, result.norms(), "credit_norm")
+    nx.set_node_attributes(G, {name: norms.get(name) for name in node_credit}, "credit_norm")
     G.graph["credit_rule"] = result.rule
     return result
+
+
+#: Where route_credit keeps its routers on ``G`` (outside ``G``'s data, like the captures).
+_SLOT = "_fxnx_routers"
+
+
+class _Routers(dict):  # type: ignore[type-arg]
+    """Routers kept on a graph; a copy or a pickle of the graph starts without them."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, ()
+
+    def __deepcopy__(self, memo: Any) -> _Routers:
+        return _Routers()
+
+
+def _router(
+    G: nx.MultiDiGraph, model: Any, rule: Any, rules: Any, seed: int, feedback: Any,
+    leaf_modules: Any, concrete_args: Any,
+) -> CreditRouter:
+    """A router for one run, kept on ``G`` for the next call with the same model and rule.
+
+    Its plan (the rule bound to each node, the edge matching) is then compiled once;
+    an edit of ``G``'s edges, other rules or feedback, or a rule that changes between runs
+    (brSF) make a new one, as does a model whose structure changed (the capture does).
+    """
+    def fresh() -> CreditRouter:
+        return CreditRouter(G, model, rule, rules=rules, seed=seed, feedback=feedback,
+                            leaf_modules=leaf_modules, concrete_args=concrete_args)
+
+    if (rules or feedback or leaf_modules or concrete_args or not isinstance(rule, str)
+            or not isinstance(G, nx.MultiDiGraph)):
+        return fresh()
+    preset = PRESETS.get(rule)
+    if preset is None or any(getattr(r, "stateful", True) for r in preset.values()):
+        return fresh()
+    key = (id(model), rule, seed, G.number_of_nodes(), hash(tuple(G.edges(keys=True))))
+    kept = vars(G).setdefault(_SLOT, _Routers())
+    router = kept.get(key)
+    if router is None or router.model is not model:
+        kept.clear()  # one router at a time: each holds its plan's tensors' metadata
+        router = kept[key] = fresh()
+    return router

@@ -94,6 +94,9 @@ class Rule:
 
     name: ClassVar[str] = "rule"
     feedback: Any = None
+    #: Whether the rule changes from one routing run to the next (brSF redraws its
+    #: magnitudes): ``route_credit`` then builds its plan afresh on every call.
+    stateful: ClassVar[bool] = False
 
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         """This rule for one node (``call`` has no values yet), once, when a plan is compiled.
@@ -254,6 +257,10 @@ class SignSymmetry(Rule):
     @property
     def name(self) -> str:  # type: ignore[override]
         return _VARIANTS[self.magnitude]
+
+    @property
+    def stateful(self) -> bool:  # type: ignore[override]
+        return self.magnitude == "batch_random"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.magnitude!r}, seed={self.seed!r})"
