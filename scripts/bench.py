@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -25,17 +26,21 @@ import fxnx
 
 
 def _interleaved(
-    candidate: Callable[[], object], baseline: Callable[[], object], runs: int
+    candidate: Callable[[], Any], baseline: Callable[[], Any], runs: int,
+    seconds: Callable[[Callable[[], Any]], float] | None = None,
 ) -> tuple[float, float]:
-    """Median seconds of each, alternating which goes first; one warm-up run of each."""
+    """Median seconds of each, alternating which goes first; one warm-up run of each.
+
+    ``seconds(fn)`` times one run (by default the wall clock around it; a side that
+    runs in another process reports its own time).
+    """
+    seconds = seconds or _timed
     candidate(), baseline()
     times_c, times_b = [], []
     for i in range(runs):
         pair = [(candidate, times_c), (baseline, times_b)]
         for fn, out in pair if i % 2 == 0 else pair[::-1]:
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
+            out.append(seconds(fn))
     return statistics.median(times_c), statistics.median(times_b)
 
 
@@ -170,7 +175,8 @@ def _draw_one(lib: str, name: str, runs: int, out: Path) -> tuple[float, bool]:
             t_view = view
             t_ours = statistics.median(run("ours")()[0] for _ in range(runs))
         else:
-            t_ours, t_view = _interleaved_remote(run("ours"), run("torchview"), runs)
+            t_ours, t_view = _interleaved(run("ours"), run("torchview"), runs,
+                                          seconds=lambda fn: fn()[0])
         conn = sides["ours"][0]
         conn.send("parts")
         nodes, depth, t_convert, t_draw = conn.recv()
@@ -188,19 +194,6 @@ def _draw_one(lib: str, name: str, runs: int, out: Path) -> tuple[float, bool]:
         flush=True,
     )
     return ratio, capped
-
-
-def _interleaved_remote(
-    candidate: Callable[[], tuple[float, bool]], baseline: Callable[[], tuple[float, bool]], runs: int
-) -> tuple[float, float]:
-    """As :func:`_interleaved`, for sides that time themselves in their own process."""
-    candidate(), baseline()
-    times_c, times_b = [], []
-    for i in range(runs):
-        pair = [(candidate, times_c), (baseline, times_b)]
-        for fn, out in pair if i % 2 == 0 else pair[::-1]:
-            out.append(fn()[0])
-    return statistics.median(times_c), statistics.median(times_b)
 
 
 def _draw_worker(conn, side: str, lib: str, name: str, out: str) -> None:
