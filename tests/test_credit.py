@@ -794,3 +794,16 @@ def test_repeated_calls_compile_the_plan_once_and_follow_edits_of_g(monkeypatch)
     fxnx.route_credit(G, model, x, rule="brsf")
     fxnx.route_credit(G, model, x, rule="brsf")
     assert len(compiled) == 5  # (the deep copy's, then) brSF redraws per run: never kept
+
+
+def test_routers_kept_on_a_graph_stay_out_of_its_pickles():
+    """A graph loaded from a pickle, routed again, still pickles without the kept router."""
+    import pickle
+
+    G, model, x = _skip()
+    fxnx.route_credit(G, model, x)
+    loaded = pickle.loads(pickle.dumps(G))
+    fxnx.route_credit(loaded, model, x)  # keeps a router on the loaded graph
+    data = pickle.dumps(loaded)
+    assert b"fxnx.credit" not in data  # no router object in the file
+    assert vars(pickle.loads(data))["_fxnx_routers"] == {}

@@ -35,7 +35,7 @@ from .ladder import Capture, capture
 from .options import CaptureOptions, LeafSpec, concrete_items, leaf_names
 from .registry import ROUTES
 
-__all__ = ["options_of", "recapture"]
+__all__ = ["kept_on", "options_of", "recapture"]
 
 #: Where on ``G`` (as a Python attribute, not graph data) the captures are kept.
 _SLOT = "_fxnx_captures"
@@ -75,9 +75,7 @@ def recapture(
     base = (id(model), _options_key(keywords), _structure(model))
     exact = (*base, _inputs_key(args, kwargs, shapes=True))
     any_shape = (*base, _inputs_key(args, kwargs, shapes=False))
-    kept = vars(G).get(_SLOT)
-    if type(kept) is not _Captures:  # first use, or a graph unpickled with an empty dict
-        kept = vars(G)[_SLOT] = _Captures()
+    kept = kept_on(G, _SLOT)
     cached = kept.get(exact) or kept.get(any_shape)
     if cached is None:
         cap = capture(model, args, kwargs, propagate=False, **keywords)
@@ -113,15 +111,27 @@ def options_of(G: nx.MultiDiGraph) -> CaptureOptions:
     )
 
 
-class _Captures(dict):  # type: ignore[type-arg]
-    """The captures kept on a graph: a copy or a pickle of the graph starts without them (a
-    pickle holds an empty plain dict, so it loads without fxnx or torch)."""
+def kept_on(G: nx.MultiDiGraph, slot: str) -> dict[Any, Any]:
+    """The dict kept on ``G`` under the Python attribute ``slot``, outside the graph's data.
+
+    What it holds (captures, routers) is not part of the graph: a copy or a pickle of ``G``
+    starts with it empty.
+    """
+    kept = vars(G).get(slot)
+    if type(kept) is not _Kept:  # first use, or a graph unpickled with an empty plain dict
+        kept = vars(G)[slot] = _Kept()
+    return kept
+
+
+class _Kept(dict):  # type: ignore[type-arg]
+    """A dict that a copy or a pickle of its graph does not carry (a pickle holds an empty
+    plain dict, so it loads without fxnx or torch)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return dict, ()
 
-    def __deepcopy__(self, memo: Any) -> _Captures:
-        return _Captures()
+    def __deepcopy__(self, memo: Any) -> _Kept:
+        return _Kept()
 
 
 def _structure(model: nn.Module) -> tuple[Any, ...]:

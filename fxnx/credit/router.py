@@ -21,6 +21,7 @@ from .._compat import pytree
 from .._state import preserved
 from ..capturing import TRACING_LOCK
 from ..capturing.options import LeafSpec
+from ..capturing.reuse import kept_on
 from .engine import CreditRouter, output_credit_like
 from .presets import PRESETS
 from .result import CreditResult
@@ -124,16 +125,6 @@ def route_credit(
 _SLOT = "_fxnx_routers"
 
 
-class _Routers(dict):  # type: ignore[type-arg]
-    """Routers kept on a graph; a copy or a pickle of the graph starts without them."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return dict, ()
-
-    def __deepcopy__(self, memo: Any) -> _Routers:
-        return _Routers()
-
-
 def _router(
     G: nx.MultiDiGraph, model: Any, rule: Any, rules: Any, seed: int, feedback: Any,
     leaf_modules: Any, concrete_args: Any,
@@ -155,7 +146,7 @@ def _router(
     if preset is None or any(getattr(r, "stateful", True) for r in preset.values()):
         return fresh()
     key = (id(model), rule, seed, G.number_of_nodes(), hash(tuple(G.edges(keys=True))))
-    kept = vars(G).setdefault(_SLOT, _Routers())
+    kept = kept_on(G, _SLOT)
     router = kept.get(key)
     if router is None or router.model is not model:
         kept.clear()  # one router at a time: each holds its plan's tensors' metadata
