@@ -271,6 +271,12 @@ def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
             f'<TR><TD BORDER="1" BGCOLOR="{BACKWARD_FILL}" COLOR="{BACKWARD}"> </TD>'
             '<TD ALIGN="LEFT">backward pass</TD></TR>'
         )
+    left_out = G.graph.get("checks_left_out")
+    if left_out:
+        rows.append(
+            f'<TR><TD COLSPAN="2" ALIGN="LEFT">{left_out} assertion{"s" if left_out > 1 else ""} '
+            'not drawn (checks=True)</TD></TR>'
+        )
     if scale is not None:
         cells = "".join(f'<TD BGCOLOR="{c}" WIDTH="12"> </TD>' for c in VIRIDIS)
         rows.append(

@@ -163,6 +163,10 @@ def _draw_options(parser: argparse.ArgumentParser, default: str) -> None:
         "--dpi", type=argtypes.bounded(1, argtypes.MAX_DPI), default=96,
         help=f"PNG resolution, 1 to {argtypes.MAX_DPI} (default 96)",
     )
+    parser.add_argument(
+        "--checks", action="store_true",
+        help="also draw the model's assertions and the reads that only feed them",
+    )
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -275,7 +279,8 @@ def _draw(args: argparse.Namespace) -> int:
 
     G = _read(args.graph)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by=args.color_by)
+    path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by=args.color_by,
+                checks=args.checks)
     print(f"wrote {path}")
     return 0
 
@@ -297,7 +302,8 @@ def _credit(args: argparse.Namespace) -> int:
         res = route_credit(G, model, x, rule=args.rule, seed=args.seed)
     _status(" drawing…")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by="credit_norm")
+    path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by="credit_norm",
+                checks=args.checks)
     norms = [v for v in res.norms().values() if v is not None]
     print(f"rule {args.rule}: {res.describe()}")
     if norms:

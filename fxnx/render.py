@@ -20,6 +20,7 @@ from typing import Any
 
 import networkx as nx
 
+from ._checks import without_checks
 from ._collapse import collapse, module_depth
 from ._layout import Estimate, beside_consumers, bounded_options, estimate
 from ._style import (
@@ -42,13 +43,13 @@ __all__ = ["GraphvizNotFoundError", "draw", "to_pydot"]
 #: Graphviz cannot write a PNG wider or taller than this many pixels.
 MAX_PIXELS = 32767
 #: A PNG drawn without ``depth`` is collapsed until dot's work (nodes plus virtual nodes) and
-#: the layout's estimated area (square inches at 100%) are below these. Past about 600 square
-#: inches (twenty pages of a paper's 3.3 by 9 inch column) a PNG is no figure to print, and slow
-#: to write, for Graphviz's PNG encoder takes most of its time. ResNet-18 in full is estimated at
-#: 105 and 540 (drawn: 6 by 52 inches), so it keeps every node; ResNet-50 in full, 300 and 1,400
-#: (a 600 by 12,300 pixel PNG), is drawn by bottleneck block; DenseNet-121 in full, 27,000 and
-#: 30,000.
-PNG_WORK, PNG_AREA = 2000, 600.0
+#: the layout's estimated area (square inches at 100%) are below these. 185 square inches is a
+#: page of a paper (7 by 9.5 inches) at 60%, where 12-point labels print at 7 points: past it a
+#: PNG is no figure to print, and slow to write, for Graphviz's PNG encoder takes most of its
+#: time (it grows with the pixels, not the nodes). ResNet-18 in full is estimated at 105 and 540
+#: (drawn: 6 by 52 inches), so it is drawn by block (3 by 13); ResNet-50 in full, 300 and 1,400,
+#: by bottleneck block too; DenseNet-121 in full, 27,000 and 30,000.
+PNG_WORK, PNG_AREA = 2000, 185.0
 #: The ``dpi`` accepted: Graphviz's 96 by default, 300 to 600 for print.
 MAX_DPI = 1200
 #: The file suffixes draw writes: images through Graphviz, or DOT text.
@@ -70,6 +71,7 @@ def to_pydot(
     color_by: str | None = None,
     clusters: bool = True,
     rankdir: str = "TB",
+    checks: bool = False,
 ) -> Any:
     """A ``pydot.Dot`` drawing of ``G``: skip branches marked, shapes on edges.
 
@@ -94,6 +96,11 @@ def to_pydot(
         Draw module boundaries (from each node's ``scope``) as boxes.
     rankdir : {"TB", "LR"}
         Top to bottom, or left to right.
+    checks : bool
+        Draw the model's checks: assertions (``torch._assert``), the reads
+        that only feed them (``x.shape``, ``eq``), and reads nothing uses (the
+        ``_`` of ``out, _ = attn(x)``). Left out by default, assertions counted
+        in the legend: the output depends on none of them.
 
     Returns
     -------
@@ -114,15 +121,17 @@ def to_pydot(
         from .analysis import skip_connections
 
         skip_connections(G)
-    view = collapse(G, depth) if depth is not None else G
+    shown = G if checks else without_checks(G)
+    view = collapse(shown, depth) if depth is not None else shown
     return _pydot(view, color_by=color_by, clusters=clusters, rankdir=rankdir)
 
 
 def _check(options: dict[str, Any]) -> None:
-    unknown = sorted(set(options) - {"color_by", "clusters", "rankdir"})
+    unknown = sorted(set(options) - {"color_by", "clusters", "rankdir", "checks"})
     if unknown:
         raise FxnxTypeError(
-            f"draw() got unknown option {unknown[0]!r}: use depth, color_by, clusters or rankdir"
+            f"draw() got unknown option {unknown[0]!r}: use depth, color_by, clusters, rankdir "
+            "or checks"
         )
     if options.get("rankdir", "TB") not in ("TB", "LR"):
         raise FxnxValueError(f"rankdir must be 'TB' or 'LR', got {options['rankdir']!r}")
@@ -186,9 +195,10 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     Graphviz's ``dot`` runs once. Without ``depth``, a PNG is collapsed to the
     deepest module level whose layout is predicted (from node, edge and rank
     counts, before running Graphviz) to be readable and quick: at most
-    2,000 nodes plus virtual nodes, 600 square inches (twenty pages of a paper's
-    column at 100%; ResNet-18 keeps every node, ResNet-50 is drawn by block), and Graphviz's
-    32,767-pixel limit; a warning says so. SVG and PDF keep every node; past
+    2,000 nodes plus virtual nodes, 185 square inches (a page of a paper at 60%;
+    ResNet-18 and ResNet-50 are drawn by block), and Graphviz's 32,767-pixel
+    limit; a warning says so. The model's checks (assertions) are left out
+    unless ``checks=True``. SVG and PDF keep every node; past
     6,000 nodes plus virtual nodes, dot's crossing reduction and placement
     passes are limited so the layout takes seconds (edges cross more;
     DenseNet-121 in full takes about 15 s), and a run past two minutes
@@ -240,6 +250,7 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
         from .analysis import skip_connections
 
         skip_connections(G)
+    G = G if options.pop("checks", False) else without_checks(G)
     if depth is None and fmt == "png":
         depth, view, guess = _png_depth(G, dpi, options.get("clusters", True))
     else:

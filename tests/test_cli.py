@@ -153,6 +153,19 @@ def test_draw_a_saved_graph_without_torch(tmp_path):
     assert done.returncode == 0 and "layer4_2_conv3" in (tmp_path / "r.dot").read_text()
 
 
+def test_draw_leaves_checks_out_unless_asked(tmp_path):
+    class Checked(torch.nn.Module):
+        def forward(self, x):
+            torch._assert(x.shape[1] == 4, "four features")
+            return x.relu()
+
+    fxnx.write_pickle(fxnx.convert(Checked(), torch.zeros(2, 4)), tmp_path / "g.pkl")
+    for extra, drawn in (([], False), (["--checks"], True)):
+        assert main(["draw", str(tmp_path / "g.pkl"), "-o", str(tmp_path / "g.dot"), *extra]) == 0
+        text = (tmp_path / "g.dot").read_text()
+        assert ('"_assert"' in text) is drawn and '"relu"' in text
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["draw", "missing.pkl"], "No such file"),

@@ -6,12 +6,14 @@ import re
 import struct
 from pathlib import Path
 
+import networkx as nx
 import pytest
 import torch
 import torchvision
 
 import fxnx
 from fxnx import _style, render
+from fxnx._checks import check_nodes, without_checks
 
 from zoo import CASES
 
@@ -201,6 +203,51 @@ def test_dot_ids_are_node_names(torchvision_model):
         n.get_name().strip('"') for n in P1.get_nodes()
     }
     assert P1.get_node("layer1.0") == [] and len(fxnx.to_pydot(G, depth=2).get_node("layer1.0")) == 1
+
+
+class Checked(torch.nn.Module):
+    """Checks its input twice, reads a size it never uses, and sizes a view by a checked dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        torch._assert(x.shape[1] == 4, "four features")
+        n = x.shape[0]
+        torch._assert(n > 0, "a batch")
+        x.size()
+        return self.lin(x).view(n, 2, 2)
+
+
+def test_checks_are_left_out_of_drawings_unless_asked():
+    G = fxnx.convert(Checked(), torch.randn(3, 4))
+    # Oracle: a check is a node the output does not depend on (no mutation in this model).
+    needed = nx.ancestors(G, "output") | {"output"}
+    assert check_nodes(G) == set(G) - needed == {
+        "getattr_1", "getitem", "eq", "_assert", "gt", "_assert_1", "size"}
+    assert {"getattr_2", "getitem_1"} <= needed  # x.shape[0] sizes the view: kept
+    P = fxnx.to_pydot(G)
+    assert _drawn(P) == needed
+    assert "2 assertions not drawn (checks=True)" in P.get_node("fxnx legend")[0].get("label")
+    everything = fxnx.to_pydot(G, checks=True)
+    assert _drawn(everything) == set(G)
+    assert "not drawn" not in everything.get_node("fxnx legend")[0].get("label")
+
+
+def _drawn(P):
+    """The graph's nodes in a pydot drawing: its nodes less the legend and DOT's defaults."""
+    return {n.get_name().strip('"') for n in P.get_nodes()} - {"node", "edge", "fxnx legend"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["swin_tiny_patch4_window7_224", "efficientnet_b0"])
+def test_checks_of_timm_models_are_what_the_output_does_not_need(name):
+    timm = pytest.importorskip("timm")
+    G = fxnx.convert(timm.create_model(name, pretrained=False).eval(), torch.randn(1, 3, 224, 224))
+    checks = check_nodes(G)
+    assert checks == set(G) - nx.ancestors(G, "output") - {"output"}
+    assert any(G.nodes[n]["target"] == "torch._assert" for n in checks)
 
 
 @pytest.mark.parametrize("name", ["resnet18", "densenet121", "mobilenet_v3_small"])
@@ -507,6 +554,6 @@ def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch):
     # What dot drew is what was predicted to fit: within the area limit, give or take a half.
     assert width * height / 96**2 <= 1.5 * render.PNG_AREA
     depth = int(re.search(r"below depth (\d)", str(caught[0].message)).group(1))
-    deeper = render.collapse(G, depth + 1)
+    deeper = render.collapse(without_checks(G), depth + 1)
     w, h = _dot_size(render.to_pydot(deeper).to_string())
     assert w * h / 72**2 > render.PNG_AREA  # one level deeper would not have fit

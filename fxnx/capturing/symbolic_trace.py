@@ -22,8 +22,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .._compat import graph_module
 from .._state import preserved
-from ..errors import CaptureError, FxnxValueError, first_line
+from ..errors import CaptureError, FxnxValueError
 from .common import Route, RouteResult
 from .inputs import Inputs
 from .options import CLASS_PREFIX, TORCH_NN, CaptureOptions
@@ -95,13 +96,7 @@ def _trace(
                 opaque.append(failing)
                 answers = []  # the checks met before may differ with the submodule whole
         name = type(model).__name__ if isinstance(model, nn.Module) else model.__name__
-        try:
-            return fx.GraphModule(tracer.root, graph, name), opaque, bool(answers)
-        except Exception as err:  # torch.fx traced something it cannot turn into code
-            raise CaptureError(
-                f"torch.fx traced {name} but could not compile the graph: "
-                f"{type(err).__name__}: {first_line(err)}"
-            ) from err
+        return graph_module(tracer.root, graph, name), opaque, bool(answers)
 
 
 def _failing_submodule(tracer: Tracer, leaf_on_failure: bool) -> str:

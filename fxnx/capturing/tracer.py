@@ -24,8 +24,10 @@ ladder keeps a failing composite whole.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -60,14 +62,37 @@ class NeedValue(Exception):  # noqa: N818 - a request, not an error
         self.convert = convert
 
 
-class _Proxy(fx.Proxy):
-    """A proxy whose ``len()`` the tracer may answer (``len(src.size())`` in torch.nn)."""
+class _Answering(fx.Proxy):
+    """What fxnx's proxies add to torch.fx's: a ``len()`` the tracer may answer
+    (``len(src.size())`` in torch.nn), and unpacking (``B, H, W, C = x.shape``) that
+    reads each function's bytecode once."""
 
     def __len__(self) -> int:
         tracer = self.tracer
         if isinstance(tracer, Tracer) and tracer.can_answer():
             return tracer.answer(self.node, len)
         return super().__len__()
+
+    def __iter__(self) -> Iterator[fx.Proxy]:
+        # torch.fx disassembles the calling function at every unpacking (a tenth of Swin's
+        # trace); whether the caller unpacks into n names is the same each time.
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        count = _unpacked_at(caller.f_code).get(caller.f_lasti) if caller is not None else None
+        if count is None:
+            return self.tracer.iter(self)
+        return (self[i] for i in range(count))
+
+    def __getattr__(self, k: str) -> fx.proxy.Attribute:
+        return _Attribute(self, k)
+
+
+class _Proxy(_Answering):
+    """The proxy fxnx's tracer makes for each node."""
+
+
+class _Attribute(_Answering, fx.proxy.Attribute):
+    """An attribute of a proxy (``x.shape``), added to the graph when used as a value."""
 
 
 class Tracer(fx.Tracer):
@@ -91,6 +116,45 @@ class Tracer(fx.Tracer):
         self.torch_nn_whole = TORCH_NN in leaf_modules
         self.answers = answers
         self.asked = 0
+        self._tensor_names: tuple[dict[int, str], dict[int, str]] | None = None
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self._tensor_names = None  # the root's parameters and buffers, named afresh per trace
+        return super().trace(root, concrete_args)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        name = self._tensor_name(attr_val, buffers=self.proxy_buffer_attributes)
+        if name is None or self.param_shapes_constant:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def create_arg(self, a: Any) -> Any:
+        name = self._tensor_name(a, buffers=True)
+        if name is None:
+            return super().create_arg(a)
+        return self.create_node("get_attr", name, (), {})
+
+    def _tensor_name(self, value: Any, *, buffers: bool) -> str | None:
+        """The root's first name for a parameter (or, with ``buffers``, a buffer), from a table.
+
+        torch.fx's ``getattr`` and ``create_arg`` search all of the root's
+        parameters and buffers for each access, which grows with the square of
+        the model's size: a third of EfficientNet-B0's trace, whose norms pass
+        their buffers to ``F.batch_norm``. The table holds the same first names;
+        None (torch.fx's search then) for any other value, or a tensor added to
+        the model during the trace.
+        """
+        if not isinstance(value, torch.Tensor) or not isinstance(self.root, nn.Module):
+            return None
+        if self._tensor_names is None:
+            self._tensor_names = (_first_names(self.root.named_parameters()),
+                                  _first_names(self.root.named_buffers()))
+        params, named_buffers = self._tensor_names
+        if isinstance(value, nn.Parameter):
+            return params.get(id(value))
+        return named_buffers.get(id(value)) if buffers else None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths:
@@ -139,6 +203,20 @@ class Tracer(fx.Tracer):
             self.asked += 1
             return self.answers[self.asked - 1]
         raise NeedValue(node, convert)
+
+
+@functools.lru_cache(maxsize=4096)
+def _unpacked_at(code: types.CodeType) -> dict[int, int]:
+    """Bytecode offset to element count of each ``UNPACK_SEQUENCE`` in ``code``."""
+    return {i.offset: i.argval for i in dis.get_instructions(code) if i.opname == "UNPACK_SEQUENCE"}
+
+
+def _first_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[int, str]:
+    """Each tensor's first name, by identity (the tensors live as long as the traced root)."""
+    names: dict[int, str] = {}
+    for name, tensor in named:
+        names.setdefault(id(tensor), name)
+    return names
 
 
 def evaluate(tracer: fx.Tracer, node: fx.Node, values: Mapping[str, Any]) -> Any:
