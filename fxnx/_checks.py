@@ -14,8 +14,6 @@ from typing import Any
 
 import networkx as nx
 
-from .analysis import topological_order
-
 __all__ = ["check_nodes", "without_checks"]
 
 #: Calls that test a value and return nothing the model uses (matched on any dotted part of the
@@ -52,7 +50,8 @@ def check_nodes(G: nx.MultiDiGraph) -> set[Any]:
     ['_assert', 'eq', 'getattr']
     """
     checks: set[Any] = set()
-    for node in reversed(topological_order(G)):
+    # Users before the nodes they read: any topological order will do, so not fxnx's stable one.
+    for node in reversed(list(nx.topological_sort(G))):
         data = G.nodes[node]
         if data.get("op") in ("placeholder", "output"):
             continue
