@@ -38,8 +38,13 @@ from ._compat import (
 __all__ = ["bind_call", "fetch_attr", "occurrences", "qualified_name", "to_plain"]
 
 
-def bind_call(node: fx.Node, gm: fx.GraphModule) -> tuple[dict[str, Any], list[str | None]]:
+def bind_call(
+    node: fx.Node, gm: fx.GraphModule, module: torch.nn.Module | None = None
+) -> tuple[dict[str, Any], list[str | None]]:
     """Bind ``node``'s arguments to its callee's signature.
+
+    ``module`` is the submodule a ``call_module`` node calls, where the caller has already
+    looked it up in ``gm``.
 
     Returns
     -------
@@ -61,7 +66,7 @@ def bind_call(node: fx.Node, gm: fx.GraphModule) -> tuple[dict[str, Any], list[s
     if node.op in ("output", "get_attr"):
         return {}, [None] * len(node.args)
     args, kwargs = tuple(node.args), dict(node.kwargs)
-    for sig in _signatures(node, gm):
+    for sig in _signatures(node, gm, module):
         bound = _try_bind(sig, args, kwargs)
         if bound is None and node.op == "call_method" and len(args) > 1:
             # x.view(2, -1) against view(self, size: List[int]): pack the varargs.
@@ -131,9 +136,13 @@ def _positional_names(sig: inspect.Signature, count: int) -> list[str | None]:
     return (names + [None] * count)[:count]
 
 
-def _signatures(node: fx.Node, gm: fx.GraphModule) -> Sequence[inspect.Signature]:
+def _signatures(
+    node: fx.Node, gm: fx.GraphModule, module: torch.nn.Module | None
+) -> Sequence[inspect.Signature]:
     if node.op == "call_module":
-        return _module_signatures(type(gm.get_submodule(node.target)))  # type: ignore[arg-type]
+        if module is None:
+            module = gm.get_submodule(node.target)  # type: ignore[arg-type]
+        return _module_signatures(type(module))
     if node.op == "call_method":
         return _method_signatures(node.target)  # type: ignore[arg-type]
     return _function_signatures(node.target)

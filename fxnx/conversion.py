@@ -160,23 +160,25 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
     modules: dict[str, str] = {"": qualified_name(type(cap.model))}
     primals = cap.aten.primals if cap.aten else {}
     opaque = set(cap.opaque)
+    submodules = dict(gm.named_modules(remove_duplicate=False))  # one walk, not one per node
     for order, node in enumerate(gm.graph.nodes):
-        info, names = bind_call(node, gm)
+        module = _called_module(node, gm, submodules)
+        info, names = bind_call(node, gm, module)
         meta = node.meta.get("tensor_meta")
         out_shape, out_dtype, _ = _describe(meta)
-        stack = _module_stack(node, gm)
+        stack = _module_stack(node, module)
         modules.update(stack)
         G.add_node(
             node.name,
             op=node.op,
             target=_target(node),
-            module_type=_module_type(node, gm),
+            module_type=_module_type(module),
             scope=_scope(node, stack),
             order=order,
             out_shape=out_shape,
             out_dtype=out_dtype,
             out_type=qualified_name(node.meta["type"]) if "type" in node.meta else None,
-            num_params=_num_params(node, gm, primals),
+            num_params=_num_params(node, gm, module, primals),
             node_call_info=info,
             phase=node.meta.get("fxnx_phase", "forward"),
             opaque=node.op == "call_module" and node.target in opaque,
@@ -245,19 +247,27 @@ def _target(node: fx.Node) -> str:
     return str(node.target)
 
 
-def _module_type(node: fx.Node, gm: fx.GraphModule) -> str | None:
+def _called_module(
+    node: fx.Node, gm: fx.GraphModule, submodules: dict[str, nn.Module]
+) -> nn.Module | None:
+    """The submodule a ``call_module`` node calls (None for other nodes)."""
     if node.op != "call_module":
         return None
-    return qualified_name(type(gm.get_submodule(node.target)))  # type: ignore[arg-type]
+    module = submodules.get(str(node.target))
+    return module if module is not None else gm.get_submodule(str(node.target))
 
 
-def _module_stack(node: fx.Node, gm: fx.GraphModule) -> dict[str, str]:
+def _module_type(module: nn.Module | None) -> str | None:
+    return None if module is None else qualified_name(type(module))
+
+
+def _module_stack(node: fx.Node, module: nn.Module | None) -> dict[str, str]:
     """Module path to qualified class name, outermost first, as the tracer recorded it."""
     stack = node.meta.get("nn_module_stack")
     if stack:
         return {path: qualified_name(cls) for path, cls in stack.values()}
-    if node.op == "call_module":  # a graph built without the module stack
-        return {str(node.target): _module_type(node, gm) or ""}
+    if module is not None:  # a call_module node of a graph built without the module stack
+        return {str(node.target): _module_type(module) or ""}
     return {}
 
 
@@ -272,12 +282,14 @@ def _scope(node: fx.Node, stack: dict[str, str]) -> str:
     return paths[-1] if paths else ""
 
 
-def _num_params(node: fx.Node, gm: fx.GraphModule, primals: dict[str, dict[str, str]]) -> int:
+def _num_params(
+    node: fx.Node, gm: fx.GraphModule, module: nn.Module | None, primals: dict[str, dict[str, str]]
+) -> int:
     """Parameters the node owns: its module's, the parameter it reads, or the one it stands for."""
     if node.op == "placeholder" and primals.get(node.name, {}).get("kind") == "parameter":
         return math.prod(node.meta["tensor_meta"].shape)
-    if node.op == "call_module":
-        return sum(p.numel() for p in gm.get_submodule(node.target).parameters())  # type: ignore[arg-type]
+    if module is not None:
+        return sum(p.numel() for p in module.parameters())
     if node.op == "get_attr":
         value = fetch_attr(gm, str(node.target))
         return value.numel() if isinstance(value, nn.Parameter) else 0

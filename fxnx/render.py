@@ -34,7 +34,7 @@ from ._style import (
     node_id,
     node_style,
 )
-from .analysis import topological_order
+from .analysis import skip_connections, topological_order
 from .errors import FxnxError, FxnxTypeError, FxnxValueError
 from .io import atomic_write
 
@@ -118,8 +118,6 @@ def to_pydot(
     """
     _check({"rankdir": rankdir})
     if "skip_connections" not in G.graph:
-        from .analysis import skip_connections
-
         skip_connections(G)
     shown = G if checks else without_checks(G)
     view = collapse(shown, depth) if depth is not None else shown
@@ -247,8 +245,6 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     depth = options.pop("depth", None)
     _check(options)
     if "skip_connections" not in G.graph:
-        from .analysis import skip_connections
-
         skip_connections(G)
     G = G if options.pop("checks", False) else without_checks(G)
     if depth is None and fmt == "png":
@@ -302,10 +298,11 @@ def _png_depth(
         return None, G, guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
-        guess = estimate(collapse(G, depth, order=order, skips=False), widths, clusters=clusters)
+        view = collapse(G, depth, order=order, skips=False)
+        guess = estimate(view, widths, clusters=clusters)
         if _fits_png(guess, dpi):
             break
-    view = collapse(G, depth, order=order)
+    skip_connections(view)  # the skip connections still visible once modules are collapsed
     warnings.warn(
         f"{G.graph.get('model', 'the graph')} is too large for a readable PNG; drew it "
         f"with modules collapsed below depth {depth}. Write .svg or .pdf to see every "

@@ -101,15 +101,38 @@ def test_the_scanner_sees_private_uses(tmp_path):
     }
 
 
-@pytest.mark.parametrize(
-    "tensor",
-    [torch.zeros(2, 3), torch.zeros(1, 3, 4, 4).to(memory_format=torch.channels_last),
-     torch.zeros(5, dtype=torch.int64).requires_grad_(False), torch.zeros(2, 3).t(),
-     torch.zeros(2, 3, requires_grad=True)],
-    ids=["plain", "channels_last", "int", "transposed", "requires_grad"],
-)
+DENSE_TENSORS = {
+    "plain": torch.zeros(2, 3),
+    "channels_last": torch.zeros(1, 3, 4, 4).to(memory_format=torch.channels_last),
+    "int": torch.zeros(5, dtype=torch.int64),
+    "transposed": torch.zeros(2, 3).t(),
+    "requires_grad": torch.zeros(2, 3, requires_grad=True),
+    # size-1 dims: contiguous in both formats, whichever way the tensor was made
+    "pooled": torch.zeros(1, 8, 1, 1),
+    "pooled_channels_last": torch.zeros(2, 8, 1, 1).to(memory_format=torch.channels_last),
+    "channels_last_3d": torch.zeros(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d),
+    "expanded": torch.zeros(3).expand(4, 3),
+    "scalar": torch.zeros(()),
+    "empty": torch.zeros(0, 3),
+    "strided_slice": torch.zeros(2, 4)[:, ::2],
+    "permuted": torch.zeros(2, 3, 4, 4).permute(0, 2, 3, 1),
+    "complex": torch.zeros(2, 3, dtype=torch.complex64),
+    "parameter": torch.nn.Parameter(torch.zeros(2, 3)),
+}
+
+
+@pytest.mark.parametrize("tensor", DENSE_TENSORS.values(), ids=DENSE_TENSORS.keys())
 def test_own_tensor_metadata_equals_torchs(tensor):
     assert _compat._own_tensor_metadata(tensor) == _extract_tensor_metadata(tensor)
+    assert _compat.extract_tensor_metadata(tensor) == _extract_tensor_metadata(tensor)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_tensor_metadata_of_quantised_and_sparse_tensors_is_torchs():
+    quantised = torch.quantize_per_tensor(torch.ones(2, 3), 0.5, 3, torch.quint8)
+    for tensor in (quantised, torch.eye(3).to_sparse()):
+        assert _compat.extract_tensor_metadata(tensor) == _extract_tensor_metadata(tensor)
+    assert _compat.extract_tensor_metadata(quantised).qparams["scale"] == 0.5
 
 
 def test_fallbacks_when_a_private_name_is_gone():
