@@ -12,7 +12,7 @@ import networkx as nx
 from .analysis import topological_order
 from .errors import FxnxValueError
 
-__all__ = ["BACKWARD_SUFFIX", "collapse", "module_depth"]
+__all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "module_depth"]
 
 #: Appended to a module's path to name the collapsed node of its backward ops.
 BACKWARD_SUFFIX = " (backward)"
@@ -37,6 +37,39 @@ def collapse(
     already known; without ``skips`` the view's skip connections are not marked
     (enough to predict its layout).
     """
+    group = _groups(G, depth)
+    order = order if order is not None else topological_order(G)
+    while True:
+        H = _grouped(G, group, order)
+        if nx.is_directed_acyclic_graph(H):
+            break
+        cyclic = {u for u, *_ in nx.find_cycle(H)} - set(G)
+        group.update({n: n for n, g in group.items() if g in cyclic})
+    if skips:
+        from .analysis import skip_connections
+
+        skip_connections(H)  # the skip connections still visible once modules are collapsed
+    return H
+
+
+def collapsed_size(G: nx.MultiDiGraph, depth: int) -> int:
+    """How many nodes :func:`collapse` leaves at ``depth``, at least, without building the view.
+
+    A module whose merged calls would close a cycle stays expanded, so the view
+    may have more.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph([("x", "a"), ("a", "b"), ("b", "output")])
+    >>> nx.set_node_attributes(G, {"x": "", "a": "block", "b": "block", "output": ""}, "scope")
+    >>> collapsed_size(G, 1), collapse(G, 1).number_of_nodes()
+    (3, 3)
+    """
+    return len(set(_groups(G, depth).values()))
+
+
+def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:
+    """Each node's node in the view at ``depth``: its ancestor module at ``depth``, or itself."""
     if depth < 1:
         raise FxnxValueError(f"depth must be 1 or more, got {depth}")
     group: dict[str, str] = {}
@@ -56,18 +89,7 @@ def collapse(
         suffix = BACKWARD_SUFFIX if data.get("phase") == "backward" else ""
         keep = len(parts) >= depth and not leaf_call
         group[node] = ".".join(parts[:depth]) + suffix if keep else node
-    order = order if order is not None else topological_order(G)
-    while True:
-        H = _grouped(G, group, order)
-        if nx.is_directed_acyclic_graph(H):
-            break
-        cyclic = {u for u, *_ in nx.find_cycle(H)} - set(G)
-        group.update({n: n for n, g in group.items() if g in cyclic})
-    if skips:
-        from .analysis import skip_connections
-
-        skip_connections(H)  # the skip connections still visible once modules are collapsed
-    return H
+    return group
 
 
 def _grouped(G: nx.MultiDiGraph, group: dict[str, str], order: list[Any]) -> nx.MultiDiGraph:

@@ -15,7 +15,7 @@ from typing import Any
 
 import networkx as nx
 
-__all__ = ["Estimate", "beside_consumers", "bounded_options", "estimate"]
+__all__ = ["Estimate", "area_floor", "beside_consumers", "bounded_options", "estimate"]
 
 #: Points (1/72 inch) per character of a node's bold 12-point name, and of its 10-point kind.
 NAME_CHAR, KIND_CHAR = 7.4, 5.6
@@ -105,6 +105,21 @@ def estimate(
         across = max(across, right.get(r, 0.0) + running * (VIRTUAL + NODESEP))
     return Estimate(across=across, along=ranks * RANK_STEP, nodes=G.number_of_nodes(),
                     virtual=virtual)
+
+
+def area_floor(nodes: int) -> float:
+    """The least area, in square points, :func:`estimate` can predict for ``nodes`` nodes.
+
+    Each node takes at least its padding and the gap to its neighbour across, and a
+    rank's height along; a rank is as wide as its nodes together. So a graph with more
+    nodes than an area allows cannot fit it, whatever its shape, and need not be estimated.
+
+    Examples
+    --------
+    >>> area_floor(10) / 72**2  # square inches
+    3.6728395061728394
+    """
+    return nodes * (NODE_PAD + NODESEP) * RANK_STEP
 
 
 def beside_consumers(G: nx.MultiDiGraph) -> set[Any]:

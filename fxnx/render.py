@@ -21,8 +21,8 @@ from typing import Any
 import networkx as nx
 
 from ._checks import without_checks
-from ._collapse import collapse, module_depth
-from ._layout import Estimate, beside_consumers, bounded_options, estimate
+from ._collapse import collapse, collapsed_size, module_depth
+from ._layout import Estimate, area_floor, beside_consumers, bounded_options, estimate
 from ._style import (
     FONT,
     PLAIN,
@@ -83,8 +83,9 @@ def to_pydot(
     Parameters
     ----------
     G : networkx.MultiDiGraph
-        A graph from :func:`fxnx.convert`. Skip connections are found (and
-        annotated on ``G``) unless ``G`` already carries them.
+        A graph from :func:`fxnx.convert`. Drawn whole, ``G``'s skip
+        connections are found (and annotated on it) unless it already carries
+        them; a collapsed view gets its own.
     depth : int, optional
         Collapse every module nested deeper than ``depth`` into one node
         (``depth=1`` shows ResNet's four stages as four nodes).
@@ -117,11 +118,16 @@ def to_pydot(
     ['_0']
     """
     _check({"rankdir": rankdir})
+    shown = G if checks else without_checks(G)
+    view = collapse(shown, depth) if depth is not None else _marked(shown)
+    return _pydot(view, color_by=color_by, clusters=clusters, rankdir=rankdir)
+
+
+def _marked(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
+    """``G``, its skip connections found first unless it already carries them."""
     if "skip_connections" not in G.graph:
         skip_connections(G)
-    shown = G if checks else without_checks(G)
-    view = collapse(shown, depth) if depth is not None else shown
-    return _pydot(view, color_by=color_by, clusters=clusters, rankdir=rankdir)
+    return G
 
 
 def _check(options: dict[str, Any]) -> None:
@@ -244,13 +250,12 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
         )
     depth = options.pop("depth", None)
     _check(options)
-    if "skip_connections" not in G.graph:
-        skip_connections(G)
     G = G if options.pop("checks", False) else without_checks(G)
     if depth is None and fmt == "png":
         depth, view, guess = _png_depth(G, dpi, options.get("clusters", True))
+        view = _marked(view) if depth is None else view
     else:
-        view = collapse(G, depth) if depth is not None else G
+        view = collapse(G, depth) if depth is not None else _marked(G)
         clusters = options.get("clusters", True)
         guess = estimate(view, partial(label_width, boxed=clusters), clusters=clusters)
     if fmt == "png" and guess.pixels(dpi)[1] > MAX_PIXELS:
@@ -287,17 +292,29 @@ def _fits_png(guess: Estimate, dpi: int) -> bool:
     return guess.work <= PNG_WORK and area <= PNG_AREA and max(across, along) <= MAX_PIXELS
 
 
+def _too_many(nodes: int) -> bool:
+    """Whether no PNG of this many nodes can be readable and quick (see :func:`_fits_png`)."""
+    return nodes > PNG_WORK or area_floor(nodes) > PNG_AREA * 72**2
+
+
 def _png_depth(
     G: nx.MultiDiGraph, dpi: int, clusters: bool
 ) -> tuple[int | None, nx.MultiDiGraph, Estimate]:
-    """The deepest depth at which ``G`` makes a readable PNG, its view and estimate."""
+    """The deepest depth at which ``G`` makes a readable PNG, its view and estimate.
+
+    A depth whose view has too many nodes to fit, whatever their layout, is passed
+    over without building the view.
+    """
     widths = partial(label_width, boxed=clusters)
-    guess = estimate(G, widths, clusters=clusters)
     depths = range(module_depth(G) - 1, 0, -1)
-    if _fits_png(guess, dpi) or not depths:
-        return None, G, guess
+    if not depths or not _too_many(G.number_of_nodes()):
+        guess = estimate(G, widths, clusters=clusters)
+        if not depths or _fits_png(guess, dpi):
+            return None, G, guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
+        if depth > 1 and _too_many(collapsed_size(G, depth)):
+            continue
         view = collapse(G, depth, order=order, skips=False)
         guess = estimate(view, widths, clusters=clusters)
         if _fits_png(guess, dpi):

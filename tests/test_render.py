@@ -557,3 +557,60 @@ def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch):
     deeper = render.collapse(without_checks(G), depth + 1)
     w, h = _dot_size(render.to_pydot(deeper).to_string())
     assert w * h / 72**2 > render.PNG_AREA  # one level deeper would not have fit
+
+
+def _deepest_fitting_depth(G, dpi=96):
+    """The PNG depth by brute force: every depth collapsed and estimated, deepest fit wins."""
+    widths = lambda node, data: _style.label_width(node, data, boxed=True)  # noqa: E731
+    if render._fits_png(render.estimate(G, widths), dpi):
+        return None
+    top = render.module_depth(G) - 1
+    for depth in range(top, 0, -1):
+        if render._fits_png(render.estimate(render.collapse(G, depth), widths), dpi):
+            return depth
+    return 1
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "densenet121", "mobilenet_v3_small",
+                                  "googlenet"])
+def test_png_depth_passing_over_depths_picks_what_trying_every_depth_picks(name, torchvision_model):
+    _check_png_depth(torchvision_model(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["efficientnet_b0", "swin_tiny_patch4_window7_224", "repvgg_a0"])
+def test_png_depth_of_timm_models_is_what_trying_every_depth_picks(name):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    _check_png_depth(timm.create_model(name, pretrained=False).eval())
+
+
+def _check_png_depth(model):
+    G = without_checks(fxnx.convert(model, torch.randn(1, 3, 224, 224)))
+    with pytest.warns(UserWarning, match="collapsed below depth"):
+        depth, view, _ = render._png_depth(G, 96, True)
+    assert depth == _deepest_fitting_depth(G)
+    assert "skip_connections" in view.graph  # the view drawn has its own skip marks
+    for d in range(1, render.module_depth(G) + 1):  # the count it passes over by is a floor
+        assert render.collapsed_size(G, d) <= render.collapse(G, d).number_of_nodes()
+
+
+def test_no_estimate_is_smaller_than_the_area_floor():
+    from fxnx._layout import NODE_PAD, area_floor
+
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = int(torch.randint(1, 60, (1,), generator=rng))
+        G = nx.gnp_random_graph(n, 0.1, seed=trial, directed=True)
+        G = nx.MultiDiGraph((u, v) for u, v in G.edges if u < v)  # a DAG
+        G.add_nodes_from(range(n))
+        scopes = ["", "a", "a.b", "c"]
+        for node in G:
+            G.nodes[node]["scope"] = scopes[int(torch.randint(0, 4, (1,), generator=rng))]
+        widths = {node: NODE_PAD + float(torch.randint(0, 100, (1,), generator=rng))
+                  for node in G}
+        for clusters in (True, False):
+            e = render.estimate(G, lambda node, data, w=widths: w[node], clusters=clusters)
+            assert e.across * e.along >= area_floor(n)
+    e = render.estimate(nx.MultiDiGraph([(0, 1)]), lambda node, data: NODE_PAD)
+    assert e.across * e.along == pytest.approx(area_floor(2))  # one node a rank: the floor
