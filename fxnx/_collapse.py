@@ -9,7 +9,7 @@ from typing import Any
 
 import networkx as nx
 
-from .analysis import topological_order
+from .analysis import skip_connections, topological_order
 from .errors import FxnxValueError
 
 __all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "module_depth"]
@@ -46,8 +46,6 @@ def collapse(
         cyclic = {u for u, *_ in nx.find_cycle(H)} - set(G)
         group.update({n: n for n, g in group.items() if g in cyclic})
     if skips:
-        from .analysis import skip_connections
-
         skip_connections(H)  # the skip connections still visible once modules are collapsed
     return H
 

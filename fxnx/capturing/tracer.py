@@ -95,6 +95,10 @@ class _Attribute(_Answering, fx.proxy.Attribute):
     """An attribute of a proxy (``x.shape``), added to the graph when used as a value."""
 
 
+#: Arguments torch.fx records as they are.
+_PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
+
+
 class Tracer(fx.Tracer):
     """torch.fx's tracer with fxnx's leaf rule and checks answered inside torch.nn composites.
 
@@ -131,6 +135,10 @@ class Tracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
     def create_arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Proxy):  # torch.fx's answer, without first testing for tensors,
+            return a.node  # modules and opaque types (most arguments are proxies)
+        if type(a) in _PLAIN_ARGS:
+            return a
         name = self._tensor_name(a, buffers=True)
         if name is None:
             return super().create_arg(a)
