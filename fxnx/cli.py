@@ -17,7 +17,9 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     args = _parser().parse_args(argv)  # a usage error exits 2 here, --help exits 0
     try:
-        return int(args.run(args))
+        with warnings.catch_warnings():  # restores Python's own display afterwards
+            warnings.showwarning = partial(_show_warning, args.command)
+            return int(args.run(args))
     except KeyboardInterrupt:
         print(f"fxnx {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -44,6 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"fxnx {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 1
+
+
+def _show_warning(command: str, message: Warning | str, *args: Any, **kwargs: Any) -> None:
+    """A warning as the command's own line on stderr: no file name, no source line."""
+    text = " ".join(str(message).split())
+    print(f"fxnx {command}: warning: {text}", file=sys.stderr)
 
 
 def _one_line(err: BaseException) -> str:

@@ -323,7 +323,7 @@ def _png_depth(
     warnings.warn(
         f"{G.graph.get('model', 'the graph')} is too large for a readable PNG; drew it "
         f"with modules collapsed below depth {depth}. Write .svg or .pdf to see every "
-        f"node, or pick depth= yourself (depth={module_depth(G)} keeps every node).",
+        f"node, or choose the depth yourself ({module_depth(G)} keeps every node).",
         stacklevel=3,
     )
     return depth, view, guess

@@ -151,6 +151,13 @@ def test_draw_a_saved_graph_without_torch(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     done = run_without_torch(code, "draw", str(tmp_path / "r.pkl"), "-o", str(tmp_path / "r.dot"))
     assert done.returncode == 0 and "layer4_2_conv3" in (tmp_path / "r.dot").read_text()
+    # Collapsed for a readable PNG: said on one line of the command's own, no Python internals.
+    done = run_without_torch(code, "draw", str(tmp_path / "r.pkl"), "-o", str(tmp_path / "r.png"))
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("fxnx draw: warning: torchvision.models.resnet.ResNet is too large")
+    assert "collapsed below depth 2" in line and "(4 keeps every node)" in line
+    assert "UserWarning" not in line and ".py" not in line
 
 
 def test_draw_leaves_checks_out_unless_asked(tmp_path):
