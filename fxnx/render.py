@@ -118,13 +118,15 @@ def to_pydot(
     ['_0']
     """
     _check({"rankdir": rankdir})
-    shown = G if checks else without_checks(G)
-    view = collapse(shown, depth) if depth is not None else _marked(shown)
+    view = _view(G if checks else without_checks(G), depth)
     return _pydot(view, color_by=color_by, clusters=clusters, rankdir=rankdir)
 
 
-def _marked(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
-    """``G``, its skip connections found first unless it already carries them."""
+def _view(G: nx.MultiDiGraph, depth: int | None) -> nx.MultiDiGraph:
+    """What is drawn of ``G`` at ``depth``, its skip connections marked: the collapsed view,
+    or ``G`` itself (marked unless it already carries them)."""
+    if depth is not None:
+        return collapse(G, depth)
     if "skip_connections" not in G.graph:
         skip_connections(G)
     return G
@@ -253,9 +255,8 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     G = G if options.pop("checks", False) else without_checks(G)
     if depth is None and fmt == "png":
         depth, view, guess = _png_depth(G, dpi, options.get("clusters", True))
-        view = _marked(view) if depth is None else view
     else:
-        view = collapse(G, depth) if depth is not None else _marked(G)
+        view = _view(G, depth)
         clusters = options.get("clusters", True)
         guess = estimate(view, partial(label_width, boxed=clusters), clusters=clusters)
     if fmt == "png" and guess.pixels(dpi)[1] > MAX_PIXELS:
@@ -300,7 +301,8 @@ def _too_many(nodes: int) -> bool:
 def _png_depth(
     G: nx.MultiDiGraph, dpi: int, clusters: bool
 ) -> tuple[int | None, nx.MultiDiGraph, Estimate]:
-    """The deepest depth at which ``G`` makes a readable PNG, its view and estimate.
+    """The deepest depth at which ``G`` makes a readable PNG, its view (skip connections
+    marked) and estimate.
 
     A depth whose view has too many nodes to fit, whatever their layout, is passed
     over without building the view.
@@ -310,7 +312,7 @@ def _png_depth(
     if not depths or not _too_many(G.number_of_nodes()):
         guess = estimate(G, widths, clusters=clusters)
         if not depths or _fits_png(guess, dpi):
-            return None, G, guess
+            return None, _view(G, None), guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
         if depth > 1 and _too_many(collapsed_size(G, depth)):
