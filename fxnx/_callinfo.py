@@ -218,9 +218,7 @@ def qualified_name(target: Any) -> str:
     if isinstance(target, str):
         return target
     if isinstance(target, type):
-        if target.__module__ == "builtins":
-            return target.__qualname__
-        return f"{target.__module__}.{target.__qualname__}"
+        return _class_name(target)
     try:
         name = qualified_function_name(target)
     except Exception:  # not something fx knows how to name
@@ -228,6 +226,11 @@ def qualified_name(target: Any) -> str:
         name = f"{module}.{getattr(target, '__qualname__', type(target).__qualname__)}"
     # The operator module's builtins live in _operator; users write operator.add.
     return "operator." + name[len("_operator.") :] if name.startswith("_operator.") else name
+
+
+@cache
+def _class_name(cls: type) -> str:  # asked for each module around each node: cached
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 _PLAIN_SCALARS = (str, int, bool, type(None))

@@ -161,11 +161,11 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
     primals = cap.aten.primals if cap.aten else {}
     opaque = set(cap.opaque)
     submodules = dict(gm.named_modules(remove_duplicate=False))  # one walk, not one per node
+    described: dict[fx.Node, tuple[Any, Any, int | None]] = {}  # each value's, for its edges
     for order, node in enumerate(gm.graph.nodes):
         module = _called_module(node, gm, submodules)
         info, names = bind_call(node, gm, module)
-        meta = node.meta.get("tensor_meta")
-        out_shape, out_dtype, _ = _describe(meta)
+        out_shape, out_dtype, _ = described[node] = _describe(node.meta.get("tensor_meta"))
         stack = _module_stack(node, module)
         modules.update(stack)
         G.add_node(
@@ -184,7 +184,9 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
             opaque=node.op == "call_module" and node.target in opaque,
         )
         for arg, source in occurrences(node, names):
-            shape, dtype, nbytes = _describe(source.meta.get("tensor_meta"))
+            shape, dtype, nbytes = described[source]
+            if isinstance(shape, (list, dict)):  # nested: each edge gets lists of its own
+                shape, dtype, nbytes = _describe(source.meta.get("tensor_meta"))
             G.add_edge(source.name, node.name, arg=arg, shape=shape, dtype=dtype, nbytes=nbytes)
 
     G.graph.update(

@@ -9,6 +9,7 @@ into its input never writes into the caller's.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,8 +74,8 @@ def empty_inputs(model: Any, input_shape: Sequence[Any], dtype: torch.dtype) -> 
 def device_of(model: Any) -> torch.device:
     """The device of the model's first parameter or buffer (CPU for a function)."""
     if isinstance(model, nn.Module):
-        for tensor in (*model.parameters(), *model.buffers()):
-            return tensor.device
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            return tensor.device  # the first: no list of every tensor
     return torch.device("cpu")
 
 

@@ -119,6 +119,8 @@ def _failing_submodule(tracer: Tracer, leaf_on_failure: bool) -> str:
 
 def _checked_leaves(model: Any, leaf_modules: tuple[str, ...]) -> tuple[str, ...]:
     """``leaf_modules`` with every path checked against the model's submodules."""
+    if not leaf_modules:
+        return leaf_modules
     known = dict(model.named_modules()) if isinstance(model, nn.Module) else {}
     for spec in leaf_modules:
         if spec == TORCH_NN or spec.startswith(CLASS_PREFIX) or spec in known:
