@@ -1,10 +1,12 @@
-"""Collapsing modules: every module nested deeper than a depth becomes one node.
+"""Collapsing for drawings: every module nested deeper than a depth becomes one node, and so
+do the parameters and buffers that one node alone reads.
 
 Used by :mod:`fxnx.render` to draw large models; no pydot, no torch.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import networkx as nx
@@ -12,10 +14,13 @@ import networkx as nx
 from .analysis import skip_connections, topological_order
 from .errors import FxnxValueError
 
-__all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "module_depth"]
+__all__ = ["BACKWARD_SUFFIX", "PARAMETERS_SUFFIX", "bundle_parameters", "collapse",
+           "collapsed_size", "module_depth"]
 
 #: Appended to a module's path to name the collapsed node of its backward ops.
 BACKWARD_SUFFIX = " (backward)"
+#: Appended to a node's name to name the one node of the parameters it alone reads.
+PARAMETERS_SUFFIX = " parameters"
 
 
 def _path(data: dict[str, Any]) -> str:
@@ -50,8 +55,9 @@ def collapse(
     return H
 
 
-def collapsed_size(G: nx.MultiDiGraph, depth: int) -> int:
-    """How many nodes :func:`collapse` leaves at ``depth``, at least, without building the view.
+def collapsed_size(G: nx.MultiDiGraph, depth: int | None) -> int:
+    """How many nodes ``G`` is drawn with at ``depth``, at least, without building the view:
+    :func:`collapse` (``None``: no module collapsed), then :func:`bundle_parameters`.
 
     A module whose merged calls would close a cycle stays expanded, so the view
     may have more.
@@ -63,7 +69,66 @@ def collapsed_size(G: nx.MultiDiGraph, depth: int) -> int:
     >>> collapsed_size(G, 1), collapse(G, 1).number_of_nodes()
     (3, 3)
     """
-    return len(set(_groups(G, depth).values()))
+    group = {node: node for node in G} if depth is None else _groups(G, depth)
+    group.update(_bundles(G, group))
+    return len(set(group.values()))
+
+
+def bundle_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
+    """``G`` with the parameters and buffers that one node alone reads, two or more, as one
+    node beside it (``G`` itself when there are none).
+
+    The node, named after its reader (``"batch_norm parameters"``), lists them
+    (``op="parameters"``, ``parameters``: name, target and shape of each), so
+    its one edge carries no shape. Its ``credit_norm`` is the norm over all of
+    theirs. A parameter that several
+    nodes read stays a node of its own.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph([("x", "norm"), ("w", "norm"), ("b", "norm"), ("norm", "out")])
+    >>> nx.set_node_attributes(G, {"w": "get_attr", "b": "get_attr"}, "op")
+    >>> sorted(bundle_parameters(G))
+    ['norm', 'norm parameters', 'out', 'x']
+    """
+    bundles = _bundles(G)
+    if not bundles:
+        return G
+    members: dict[str, list[Any]] = {}
+    for node, key in bundles.items():
+        members.setdefault(key, []).append(node)
+    H = G.copy()
+    H.remove_nodes_from(bundles)
+    for key, nodes in members.items():
+        (reader,) = G.successors(nodes[0])
+        first = G.nodes[nodes[0]]
+        norms = [G.nodes[n].get("credit_norm") for n in nodes]
+        norms = [v for v in norms if isinstance(v, (int, float))]
+        H.add_node(
+            key, op="parameters", target=reader, scope=first.get("scope"),
+            order=first.get("order"), phase=first.get("phase"), members=len(nodes),
+            num_params=sum(G.nodes[n].get("num_params") or 0 for n in nodes),
+            parameters=[(n, G.nodes[n].get("target"), G.nodes[n].get("out_shape")) for n in nodes],
+            credit_norm=math.sqrt(sum(v * v for v in norms)) if norms else None,
+        )
+        edge = _without_roles(next(iter(G[nodes[0]][reader].values())))
+        H.add_edge(key, reader, **{**edge, "shape": None})  # the node says their shapes
+    return H
+
+
+def _bundles(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -> dict[Any, str]:
+    """The parameters and buffers drawn together: those read by one node alone, when it reads
+    two or more; each to its bundle's name. ``group`` maps ``G`` onto the view drawn."""
+    view = group or {}
+    read_by: dict[Any, list[Any]] = {}
+    for node, op in G.nodes(data="op"):
+        if op != "get_attr" or view.get(node, node) != node:
+            continue
+        readers = {view.get(v, v) for v in G.successors(node)}
+        if len(readers) == 1:
+            read_by.setdefault(readers.pop(), []).append(node)
+    return {node: f"{reader}{PARAMETERS_SUFFIX}"
+            for reader, nodes in read_by.items() if len(nodes) > 1 for node in nodes}
 
 
 def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:

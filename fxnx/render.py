@@ -21,7 +21,7 @@ from typing import Any
 import networkx as nx
 
 from ._checks import without_checks
-from ._collapse import collapse, collapsed_size, module_depth
+from ._collapse import bundle_parameters, collapse, collapsed_size, module_depth
 from ._layout import Estimate, area_floor, beside_consumers, bounded_options, estimate
 from ._style import (
     FONT,
@@ -78,7 +78,8 @@ def to_pydot(
     Node ids are the node names (a collapsed module's id is its path), so
     ``P.get_node("layer1_0_conv1")`` finds a node and SVG output names each
     node's element after it; each node's tooltip gives its op, target and
-    output shape.
+    output shape. The parameters and buffers that one node alone reads, two or
+    more, are drawn as one node that lists them, ``"<reader> parameters"``.
 
     Parameters
     ----------
@@ -124,12 +125,13 @@ def to_pydot(
 
 def _view(G: nx.MultiDiGraph, depth: int | None) -> nx.MultiDiGraph:
     """What is drawn of ``G`` at ``depth``, its skip connections marked: the collapsed view,
-    or ``G`` itself (marked unless it already carries them)."""
+    or ``G`` itself (marked unless it already carries them), with the parameters that one
+    node alone reads as one node."""
     if depth is not None:
-        return collapse(G, depth)
+        return bundle_parameters(collapse(G, depth))
     if "skip_connections" not in G.graph:
         skip_connections(G)
-    return G
+    return bundle_parameters(G)
 
 
 def _check(options: dict[str, Any]) -> None:
@@ -309,15 +311,15 @@ def _png_depth(
     """
     widths = partial(label_width, boxed=clusters)
     depths = range(module_depth(G) - 1, 0, -1)
-    if not depths or not _too_many(G.number_of_nodes()):
-        guess = estimate(G, widths, clusters=clusters)
+    if not depths or not _too_many(collapsed_size(G, None)):
+        guess = estimate(bundle_parameters(G), widths, clusters=clusters)
         if not depths or _fits_png(guess, dpi):
             return None, _view(G, None), guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
         if depth > 1 and _too_many(collapsed_size(G, depth)):
             continue
-        view = collapse(G, depth, order=order, skips=False)
+        view = bundle_parameters(collapse(G, depth, order=order, skips=False))
         guess = estimate(view, widths, clusters=clusters)
         if _fits_png(guess, dpi):
             break
@@ -340,7 +342,8 @@ def _quick_depth(G: nx.MultiDiGraph, below: int | None = None) -> int | None:
     order = topological_order(G)
     top = module_depth(G) - 1 if below is None else min(below - 1, module_depth(G) - 1)
     for depth in range(top, 0, -1):
-        if estimate(collapse(G, depth, order=order, skips=False), label_width).work <= PNG_WORK:
+        view = bundle_parameters(collapse(G, depth, order=order, skips=False))
+        if estimate(view, label_width).work <= PNG_WORK:
             return depth
     return 1 if top >= 1 else None
 

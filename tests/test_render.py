@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import struct
 from pathlib import Path
 
@@ -491,7 +492,7 @@ def _dot_ranks(text):
     """Each node's y coordinate in dot's own layout of DOT text (nodes on one rank share it)."""
     plain = render.subprocess.run(["dot", "-Tplain"], input=text.encode(), capture_output=True,
                                   check=True).stdout.decode()
-    return {p[1].strip('"'): float(p[3]) for p in map(str.split, plain.splitlines()) if p[0] == "node"}
+    return {p[1]: float(p[3]) for p in map(shlex.split, plain.splitlines()) if p[0] == "node"}
 
 
 def _norm_stack(blocks):
@@ -511,21 +512,91 @@ def test_blocks_in_sequence_stack_instead_of_drifting_across():
     width, height = _dot_size(text)
     assert width < 1.5 * one
     y = _dot_ranks(text)
-    for node, data in G.nodes(data=True):
-        if data["op"] == "get_attr":
-            (consumer,) = G.successors(node)
-            assert y[node] == y[consumer], node
-    guess = render.estimate(G, _style.label_width)  # the prediction follows what dot drew
+    readers = [v for u, v in G.edges() if G.nodes[u]["op"] == "get_attr"]
+    assert len(readers) == 16  # each layer norm reads its weight and bias: one node beside it
+    for reader in readers:
+        assert y[f"{reader} parameters"] == y[reader], reader
+    drawn = render.bundle_parameters(G)
+    guess = render.estimate(drawn, _style.label_width)  # the prediction follows what dot drew
     assert 0.7 < guess.across / width < 1.5
     assert 0.7 < guess.along / height < 1.5
 
 
 def test_parameters_are_named_by_attribute_inside_their_modules_box():
     G = _norm_stack(2)
-    boxed = fxnx.to_pydot(G).get_node("_1_norm_weight")[0].get("label")
-    assert boxed.startswith("<<B>norm.weight</B>")  # in the box of block 1, which reads it
-    loose = fxnx.to_pydot(G, clusters=False).get_node("_1_norm_weight")[0].get("label")
-    assert loose.startswith("<<B>_1_norm_weight</B>")
+    (reader,) = G.successors("_1_norm_weight")
+    boxed = fxnx.to_pydot(G).get_node(f"{reader} parameters")[0].get("label")
+    assert boxed.startswith("<<B>norm.weight · norm.bias</B>")  # in the box of block 1
+    loose = fxnx.to_pydot(G, clusters=False).get_node(f"{reader} parameters")[0].get("label")
+    assert loose.startswith("<<B>_1_norm_weight</B><BR/><B>_1_norm_bias</B>")  # one a line
+
+
+class _WrittenNorm(torch.nn.Module):
+    """A batch norm written out (four tensors into one call), a scale read by two ops and a
+    shift read by one: as timm's BatchNormAct2d and hand-written layers read parameters."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(d, dtype=torch.float64) + 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(d, dtype=torch.float64))
+        self.register_buffer("running_mean", torch.randn(d, dtype=torch.float64))
+        self.register_buffer("running_var", torch.rand(d, dtype=torch.float64) + 0.5)
+        self.scale = torch.nn.Parameter(torch.randn(d, dtype=torch.float64))
+        self.shift = torch.nn.Parameter(torch.randn(d, dtype=torch.float64))
+
+    def forward(self, x):
+        y = torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                           self.bias)
+        return y * self.scale + self.scale + self.shift
+
+
+def _bundled_by_fx(model):
+    """The oracle, from torch.fx's own graph: reader to the attributes it alone reads, where it
+    reads two or more."""
+    gm = torch.fx.symbolic_trace(model)
+    alone = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and len(node.users) == 1:
+            alone.setdefault(next(iter(node.users)).name, []).append(node.target)
+    return {reader: targets for reader, targets in alone.items() if len(targets) > 1}
+
+
+def test_parameters_one_op_alone_reads_are_drawn_as_one_node_beside_it():
+    model = torch.nn.Sequential(_WrittenNorm(4))
+    G = fxnx.convert(model, torch.randn(3, 4, dtype=torch.float64))
+    before = sorted(G.nodes)
+    (reader, targets), = _bundled_by_fx(model).items()
+    assert sorted(targets) == ["0.bias", "0.running_mean", "0.running_var", "0.weight"]
+    P = fxnx.to_pydot(G)
+    bundled = {n for n, d in G.nodes(data=True) if d["target"] in targets}
+    assert _drawn(P) == set(G) - bundled | {f"{reader} parameters"}
+    assert sorted(G.nodes) == before  # G itself is not changed
+    (node,) = P.get_node(f"{reader} parameters")
+    label = node.get("label")
+    for target in targets:  # each named within its module's box, the shared shape said once
+        assert target.removeprefix("0.") in label
+    assert "parameters, each 4" in label
+    assert all(t in node.get("tooltip") for t in targets)
+    edges = [e for e in _all_edges(P) if e.get_source().strip('"') == f"{reader} parameters"]
+    assert [e.get_destination() for e in edges] == [reader]
+    assert "xlabel" not in edges[0].get_attributes()
+    # A parameter read by two ops, and one read alone, stay nodes of their own.
+    assert {"_0_scale", "_0_shift"} <= _drawn(P)
+
+
+def test_a_parameters_node_carries_the_norm_of_their_credit():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_WrittenNorm(4))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    fxnx.route_credit(G, model, x)
+    (reader,) = _bundled_by_fx(model)
+    drawn = render.bundle_parameters(G)
+    norm = model[0]
+    weight, bias = torch.autograd.grad(model(x).sum(), [norm.weight, norm.bias])
+    expected = torch.cat([weight, bias]).norm().item()  # the buffers carry no credit
+    got = drawn.nodes[f"{reader} parameters"]["credit_norm"]
+    assert abs(got - expected) <= 1e-12 * expected
 
 
 def test_constants_made_by_tracing_collapse_into_their_module():
@@ -562,11 +633,12 @@ def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch):
 def _deepest_fitting_depth(G, dpi=96):
     """The PNG depth by brute force: every depth collapsed and estimated, deepest fit wins."""
     widths = lambda node, data: _style.label_width(node, data, boxed=True)  # noqa: E731
-    if render._fits_png(render.estimate(G, widths), dpi):
+    if render._fits_png(render.estimate(render.bundle_parameters(G), widths), dpi):
         return None
     top = render.module_depth(G) - 1
     for depth in range(top, 0, -1):
-        if render._fits_png(render.estimate(render.collapse(G, depth), widths), dpi):
+        drawn = render.bundle_parameters(render.collapse(G, depth))
+        if render._fits_png(render.estimate(drawn, widths), dpi):
             return depth
     return 1
 
@@ -591,8 +663,9 @@ def _check_png_depth(model):
         depth, view, _ = render._png_depth(G, 96, True)
     assert depth == _deepest_fitting_depth(G)
     assert "skip_connections" in view.graph  # the view drawn has its own skip marks
-    for d in range(1, render.module_depth(G) + 1):  # the count it passes over by is a floor
-        assert render.collapsed_size(G, d) <= render.collapse(G, d).number_of_nodes()
+    for d in [None, *range(1, render.module_depth(G) + 1)]:  # the count it passes over by:
+        drawn = render._view(G, d)  # a floor
+        assert render.collapsed_size(G, d) <= drawn.number_of_nodes()
 
 
 def test_no_estimate_is_smaller_than_the_area_floor():
