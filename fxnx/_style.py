@@ -284,7 +284,8 @@ def _line(color: str, dashed: bool) -> str:
 
 
 def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
-    """The legend node: one row for each mark that the drawing of ``G`` shows."""
+    """The legend, as the drawing's own label above it at the right (a node beside the input
+    would widen the figure): one row for each mark that the drawing of ``G`` shows."""
     node_roles = {data.get("branch_role") for _, data in G.nodes(data=True)}
     edge_roles = {data.get("branch_role") for *_, data in G.edges(data=True)}
     rows = []
@@ -328,4 +329,4 @@ def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
         f'<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2"><TR><TD COLSPAN="2"><B>{title}</B></TD></TR>'
         + "".join(rows) + "</TABLE>"
     )
-    return {"label": f"<{table}>", "shape": "plain", "style": "", "fontsize": "11"}
+    return {"label": f"<{table}>", "labelloc": "t", "labeljust": "r", "fontsize": "11"}

@@ -56,8 +56,6 @@ MAX_DPI = 1200
 FORMATS = ("png", "svg", "pdf", "dot", "gv")
 #: Seconds one dot run may take before draw() gives up and names a depth that will work.
 DOT_TIMEOUT = 120.0
-#: The DOT id of the legend node (a name no fx node has: it holds a space).
-LEGEND = "fxnx legend"
 
 
 class GraphvizNotFoundError(FxnxError, ImportError):
@@ -171,7 +169,8 @@ def _pydot(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, rankd
     beside = beside_consumers(view)  # parameters sit beside their consumer, in its box
     for u, v, data in view.edges(data=True):
         dot.add_edge(pydot.Edge(node_id(u), node_id(v), **edge_style(data, beside=u in beside)))
-    dot.add_node(pydot.Node(node_id(LEGEND), **legend(view, scale)))
+    for key, value in legend(view, scale).items():  # the graph's label: clusters set their own
+        dot.set(key, value)
     return dot
 
 

@@ -230,15 +230,22 @@ def test_checks_are_left_out_of_drawings_unless_asked():
     assert {"getattr_2", "getitem_1"} <= needed  # x.shape[0] sizes the view: kept
     P = fxnx.to_pydot(G)
     assert _drawn(P) == needed
-    assert "2 assertions not drawn (checks=True)" in P.get_node("fxnx legend")[0].get("label")
+    assert "2 assertions not drawn (checks=True)" in _legend(P)
     everything = fxnx.to_pydot(G, checks=True)
     assert _drawn(everything) == set(G)
-    assert "not drawn" not in everything.get_node("fxnx legend")[0].get("label")
+    assert "not drawn" not in _legend(everything)
 
 
 def _drawn(P):
-    """The graph's nodes in a pydot drawing: its nodes less the legend and DOT's defaults."""
-    return {n.get_name().strip('"') for n in P.get_nodes()} - {"node", "edge", "fxnx legend"}
+    """The graph's nodes in a pydot drawing: its nodes less DOT's defaults."""
+    return {n.get_name().strip('"') for n in P.get_nodes()} - {"node", "edge"}
+
+
+def _legend(P):
+    """The legend: the drawing's own label, set above it at the right."""
+    attrs = P.get_attributes()
+    assert (attrs["labelloc"], attrs["labeljust"]) == ("t", "r")
+    return attrs["label"]
 
 
 @pytest.mark.slow
@@ -278,9 +285,9 @@ def test_every_edge_into_a_merge_is_styled_by_its_branch_role(name, torchvision_
 
 def test_legend_shows_only_what_is_drawn():
     G = fxnx.convert(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()), torch.zeros(1, 3))
-    legend = fxnx.to_pydot(G).get_node("fxnx legend")[0].get("label")
+    legend = _legend(fxnx.to_pydot(G))
     assert "skip branch" not in legend and "merge" not in legend and "fork" not in legend
-    legend = fxnx.to_pydot(_zoo("nested_skip")).get_node("fxnx legend")[0].get("label")
+    legend = _legend(fxnx.to_pydot(_zoo("nested_skip")))
     assert "skip branch (dashed)" in legend and "residual branch (solid)" in legend
     assert "merge" in legend and "fork" in legend and "backward" not in legend
 
@@ -359,11 +366,11 @@ def test_crafted_attributes_cannot_add_nodes_or_markup(depth, tmp_path):
     text = fxnx.to_pydot(G, depth=depth, color_by='score"]; evil [label="<IMG SRC=x>').to_string()
     view = render.collapse(G, depth) if depth else G
     nodes, edges = _parsed_counts(text)
-    assert len(nodes) == view.number_of_nodes() + 1  # and the legend
+    assert len(nodes) == view.number_of_nodes()
     assert len(edges) == view.number_of_edges()
     assert "evil" not in {n.strip('"') for n in nodes}
     (P,) = pydot.graph_from_dot_data(text)
-    for item in [*_all_nodes(P), *_all_edges(P), *P.get_subgraphs()]:
+    for item in [P, *_all_nodes(P), *_all_edges(P), *P.get_subgraphs()]:  # P: the legend
         for key, value in item.get_attributes().items():
             if str(value).startswith("<"):  # an HTML-like label: markup only from fxnx
                 assert not re.search(r"<\s*img", value, re.IGNORECASE), (key, value)
