@@ -1,12 +1,11 @@
-"""Collapsing for drawings: every module nested deeper than a depth becomes one node, and so
-do the parameters and buffers that one node alone reads.
+"""Collapsing for drawings: every module nested deeper than a depth becomes one node, and the
+parameters and buffers that one node alone reads are listed on it.
 
 Used by :mod:`fxnx.render` to draw large models; no pydot, no torch.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import networkx as nx
@@ -14,13 +13,10 @@ import networkx as nx
 from .analysis import skip_connections, topological_order
 from .errors import FxnxValueError
 
-__all__ = ["BACKWARD_SUFFIX", "PARAMETERS_SUFFIX", "bundle_parameters", "collapse",
-           "collapsed_size", "module_depth"]
+__all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "fold_parameters", "module_depth"]
 
 #: Appended to a module's path to name the collapsed node of its backward ops.
 BACKWARD_SUFFIX = " (backward)"
-#: Appended to a node's name to name the one node of the parameters it alone reads.
-PARAMETERS_SUFFIX = " parameters"
 
 
 def _path(data: dict[str, Any]) -> str:
@@ -57,7 +53,7 @@ def collapse(
 
 def collapsed_size(G: nx.MultiDiGraph, depth: int | None) -> int:
     """How many nodes ``G`` is drawn with at ``depth``, at least, without building the view:
-    :func:`collapse` (``None``: no module collapsed), then :func:`bundle_parameters`.
+    :func:`collapse` (``None``: no module collapsed), then :func:`fold_parameters`.
 
     A module whose merged calls would close a cycle stays expanded, so the view
     may have more.
@@ -70,65 +66,49 @@ def collapsed_size(G: nx.MultiDiGraph, depth: int | None) -> int:
     (3, 3)
     """
     group = {node: node for node in G} if depth is None else _groups(G, depth)
-    group.update(_bundles(G, group))
-    return len(set(group.values()))
+    return len(set(group.values()) - set(_folded(G, group)))
 
 
-def bundle_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
-    """``G`` with the parameters and buffers that one node alone reads, two or more, as one
-    node beside it (``G`` itself when there are none).
+def fold_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
+    """``G`` with the parameters and buffers that one node alone reads listed on that node
+    instead of drawn as nodes of their own (``G`` itself when there are none).
 
-    The node, named after its reader (``"batch_norm parameters"``), lists them
-    (``op="parameters"``, ``parameters``: name, target and shape of each), so
-    its one edge carries no shape. Its ``credit_norm`` is the norm over all of
-    theirs. A parameter that several
-    nodes read stays a node of its own.
+    The reader's ``parameters`` holds the name, target and shape of each, in
+    ``G``'s order: timm's normalisation layers read four tensors in one call, which
+    drawn side by side set the figure's width. A parameter that several nodes read
+    stays a node.
 
     Examples
     --------
-    >>> G = nx.MultiDiGraph([("x", "norm"), ("w", "norm"), ("b", "norm"), ("norm", "out")])
-    >>> nx.set_node_attributes(G, {"w": "get_attr", "b": "get_attr"}, "op")
-    >>> sorted(bundle_parameters(G))
-    ['norm', 'norm parameters', 'out', 'x']
+    >>> G = nx.MultiDiGraph([("x", "norm"), ("w", "norm"), ("w2", "a"), ("w2", "b")])
+    >>> nx.set_node_attributes(G, {"w": "get_attr", "w2": "get_attr"}, "op")
+    >>> H = fold_parameters(G)
+    >>> sorted(H), [name for name, *_ in H.nodes["norm"]["parameters"]]
+    (['a', 'b', 'norm', 'w2', 'x'], ['w'])
     """
-    bundles = _bundles(G)
-    if not bundles:
+    folded = _folded(G)
+    if not folded:
         return G
-    members: dict[str, list[Any]] = {}
-    for node, key in bundles.items():
-        members.setdefault(key, []).append(node)
     H = G.copy()
-    H.remove_nodes_from(bundles)
-    for key, nodes in members.items():
-        (reader,) = G.successors(nodes[0])
-        first = G.nodes[nodes[0]]
-        norms = [G.nodes[n].get("credit_norm") for n in nodes]
-        norms = [v for v in norms if isinstance(v, (int, float))]
-        H.add_node(
-            key, op="parameters", target=reader, scope=first.get("scope"),
-            order=first.get("order"), phase=first.get("phase"), members=len(nodes),
-            num_params=sum(G.nodes[n].get("num_params") or 0 for n in nodes),
-            parameters=[(n, G.nodes[n].get("target"), G.nodes[n].get("out_shape")) for n in nodes],
-            credit_norm=math.sqrt(sum(v * v for v in norms)) if norms else None,
-        )
-        edge = _without_roles(next(iter(G[nodes[0]][reader].values())))
-        H.add_edge(key, reader, **{**edge, "shape": None})  # the node says their shapes
+    H.remove_nodes_from(folded)
+    for node, reader in folded.items():
+        data = G.nodes[node]
+        H.nodes[reader]["parameters"] = [*H.nodes[reader].get("parameters", ()),
+                                         (node, data.get("target"), data.get("out_shape"))]
     return H
 
 
-def _bundles(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -> dict[Any, str]:
-    """The parameters and buffers drawn together: those read by one node alone, when it reads
-    two or more; each to its bundle's name. ``group`` maps ``G`` onto the view drawn."""
+def _folded(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -> dict[Any, Any]:
+    """Each parameter or buffer that one node alone reads, to that node; ``group`` maps ``G``
+    onto the view drawn, whose nodes read them."""
     view = group or {}
-    read_by: dict[Any, list[Any]] = {}
+    folded = {}
     for node, op in G.nodes(data="op"):
-        if op != "get_attr" or view.get(node, node) != node:
-            continue
-        readers = {view.get(v, v) for v in G.successors(node)}
-        if len(readers) == 1:
-            read_by.setdefault(readers.pop(), []).append(node)
-    return {node: f"{reader}{PARAMETERS_SUFFIX}"
-            for reader, nodes in read_by.items() if len(nodes) > 1 for node in nodes}
+        if op == "get_attr" and view.get(node, node) == node:
+            readers = {view.get(v, v) for v in G.successors(node)}
+            if len(readers) == 1:
+                folded[node] = readers.pop()
+    return folded
 
 
 def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:

@@ -97,8 +97,7 @@ def kind(data: dict[str, Any]) -> str:
         return f".{data.get('target')}()"
     if op == "call_function":
         return short_name(str(data.get("target")))
-    return {"placeholder": "input", "get_attr": "parameter", "parameters": "parameters",
-            "output": "output"}.get(op, str(op or ""))
+    return {"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(op, str(op or ""))
 
 
 def _title(node: Any, data: dict[str, Any], boxed: bool = True) -> str:
@@ -118,52 +117,40 @@ def _title(node: Any, data: dict[str, Any], boxed: bool = True) -> str:
     return str(node)
 
 
-#: Characters a line of a parameters node's names may hold, unless one name is longer.
+#: Characters a line of the parameters listed on a node may hold, unless one name is longer.
 NAMES_LINE = 26
 
 
-def _titles(node: Any, data: dict[str, Any], boxed: bool = True) -> list[str]:
-    """The bold lines on a node: its title, or a parameters node's names, a few to a line."""
-    if data.get("op") != "parameters":
-        return [_title(node, data, boxed)]
+def _parameter_lines(data: dict[str, Any], boxed: bool = True) -> list[str]:
+    """The parameters listed on a node (see :func:`fxnx._collapse.fold_parameters`), a few to a
+    line, each named as its own node would be."""
     names = [_title(name, {"op": "get_attr", "target": target, "scope": data.get("scope")}, boxed)
              for name, target, _ in data.get("parameters", ())]
-    room = max(NAMES_LINE, *map(len, names))
-    lines = [names[0]]
-    for name in names[1:]:
-        if len(lines[-1]) + 3 + len(name) <= room:
+    lines: list[str] = []
+    for name in names:
+        if lines and len(lines[-1]) + 3 + len(name) <= NAMES_LINE:
             lines[-1] += " · " + name
         else:
             lines.append(name)
     return lines
 
 
-def _shared_shape(data: dict[str, Any]) -> str | None:
-    """The shape every parameter of a parameters node has, as text; None if they differ."""
-    shapes = {shape for *_, shape in data.get("parameters", ())}
-    shape = shapes.pop() if len(shapes) == 1 else None
-    return "×".join(map(str, shape)) if isinstance(shape, tuple) else None
-
-
 def label_width(node: Any, data: dict[str, Any], boxed: bool = True) -> float:
     """A node's width in points, from its label text, for :func:`fxnx._layout.estimate`."""
     from ._layout import KIND_CHAR, NAME_CHAR, NODE_PAD
 
-    title = max(map(len, _titles(node, data, boxed)))
-    note = kind(data) + (f", each {_shared_shape(data)}" if _shared_shape(data) else "")
-    return max(title * NAME_CHAR, len(note) * KIND_CHAR) + NODE_PAD
+    small = max(map(len, [kind(data), *_parameter_lines(data, boxed)]))
+    return max(len(_title(node, data, boxed)) * NAME_CHAR, small * KIND_CHAR) + NODE_PAD
 
 
 def _tooltip(node: Any, data: dict[str, Any], kind_text: str) -> str:
-    if data.get("op") == "parameters":
-        return "\n".join([f"{node}: read by {data.get('target')} alone"] + [
-            f"{target}: {'×'.join(map(str, shape)) if isinstance(shape, tuple) else shape} ({name})"
-            for name, target, shape in data.get("parameters", ())])
     lines = [str(node), f"op: {data.get('op')} ({kind_text})", f"target: {data.get('target')}"]
     if data.get("out_shape") is not None:
         lines.append(f"output shape: {data['out_shape']}")
     if data.get("op") == "module" and data.get("members"):
         lines.append(f"{data['members']} ops collapsed")
+    lines.extend(f"reads {target}: shape {shape} (node {name})"
+                 for name, target, shape in data.get("parameters", ()))
     return "\n".join(lines)
 
 
@@ -177,16 +164,16 @@ def node_style(
     module, so a parameter is labelled by its attribute name alone.
     """
     what = f"{primal.get('kind')} {primal.get('name')}" if primal else kind(data)
-    titles = _titles(node, data, boxed)
-    name = titles[0]
-    lines = [f"<B>{text(title)}</B>" for title in titles]
+    name = _title(node, data, boxed)
+    lines = [f"<B>{text(name)}</B>"]
     note = what
     if data.get("op") == "module" and data.get("members"):
         note = f"{what} · {data['members']} ops"
-    elif data.get("op") == "parameters" and _shared_shape(data):
-        note = f"{what}, each {_shared_shape(data)}"
     if note and note != name:
         lines.append(f'<FONT POINT-SIZE="10">{text(note)}</FONT>')
+    # The parameters it alone reads, in italics: what it holds, not what flows into it.
+    lines.extend(f'<FONT POINT-SIZE="10"><I>{text(line)}</I></FONT>'
+                 for line in _parameter_lines(data, boxed))
     if data.get("opaque"):
         lines.append('<FONT POINT-SIZE="9">opaque: not traced</FONT>')
     style = {"label": "<" + "<BR/>".join(lines) + ">", "tooltip": quoted(_tooltip(node, data, what)),

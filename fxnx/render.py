@@ -21,7 +21,7 @@ from typing import Any
 import networkx as nx
 
 from ._checks import without_checks
-from ._collapse import bundle_parameters, collapse, collapsed_size, module_depth
+from ._collapse import collapse, collapsed_size, fold_parameters, module_depth
 from ._layout import Estimate, area_floor, beside_consumers, bounded_options, estimate
 from ._style import (
     FONT,
@@ -76,8 +76,9 @@ def to_pydot(
     Node ids are the node names (a collapsed module's id is its path), so
     ``P.get_node("layer1_0_conv1")`` finds a node and SVG output names each
     node's element after it; each node's tooltip gives its op, target and
-    output shape. The parameters and buffers that one node alone reads, two or
-    more, are drawn as one node that lists them, ``"<reader> parameters"``.
+    output shape. The parameters and buffers that one node alone reads are
+    listed on it, in italics, rather than drawn as nodes (coloured by
+    ``color_by``, each keeps a node in its own colour).
 
     Parameters
     ----------
@@ -117,19 +118,22 @@ def to_pydot(
     ['_0']
     """
     _check({"rankdir": rankdir})
-    view = _view(G if checks else without_checks(G), depth)
+    view = _view(G if checks else without_checks(G), depth, fold=color_by is None)
     return _pydot(view, color_by=color_by, clusters=clusters, rankdir=rankdir)
 
 
-def _view(G: nx.MultiDiGraph, depth: int | None) -> nx.MultiDiGraph:
+def _view(G: nx.MultiDiGraph, depth: int | None, *, fold: bool = True) -> nx.MultiDiGraph:
     """What is drawn of ``G`` at ``depth``, its skip connections marked: the collapsed view,
-    or ``G`` itself (marked unless it already carries them), with the parameters that one
-    node alone reads as one node."""
+    or ``G`` itself (marked unless it already carries them). With ``fold``, the parameters
+    that one node alone reads are listed on it (:func:`fxnx._collapse.fold_parameters`);
+    coloured by a value, each keeps a node in its own colour."""
     if depth is not None:
-        return bundle_parameters(collapse(G, depth))
-    if "skip_connections" not in G.graph:
-        skip_connections(G)
-    return bundle_parameters(G)
+        view = collapse(G, depth)
+    else:
+        if "skip_connections" not in G.graph:
+            skip_connections(G)
+        view = G
+    return fold_parameters(view) if fold else view
 
 
 def _check(options: dict[str, Any]) -> None:
@@ -254,10 +258,11 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
     depth = options.pop("depth", None)
     _check(options)
     G = G if options.pop("checks", False) else without_checks(G)
+    fold = options.get("color_by") is None
     if depth is None and fmt == "png":
-        depth, view, guess = _png_depth(G, dpi, options.get("clusters", True))
+        depth, view, guess = _png_depth(G, dpi, options.get("clusters", True), fold)
     else:
-        view = _view(G, depth)
+        view = _view(G, depth, fold=fold)
         clusters = options.get("clusters", True)
         guess = estimate(view, partial(label_width, boxed=clusters), clusters=clusters)
     if fmt == "png" and guess.pixels(dpi)[1] > MAX_PIXELS:
@@ -300,25 +305,26 @@ def _too_many(nodes: int) -> bool:
 
 
 def _png_depth(
-    G: nx.MultiDiGraph, dpi: int, clusters: bool
+    G: nx.MultiDiGraph, dpi: int, clusters: bool, fold: bool = True
 ) -> tuple[int | None, nx.MultiDiGraph, Estimate]:
     """The deepest depth at which ``G`` makes a readable PNG, its view (skip connections
     marked) and estimate.
 
     A depth whose view has too many nodes to fit, whatever their layout, is passed
-    over without building the view.
+    over without building the view. ``fold`` is :func:`_view`'s.
     """
     widths = partial(label_width, boxed=clusters)
+    drawn = fold_parameters if fold else (lambda view: view)
     depths = range(module_depth(G) - 1, 0, -1)
     if not depths or not _too_many(collapsed_size(G, None)):
-        guess = estimate(bundle_parameters(G), widths, clusters=clusters)
+        guess = estimate(drawn(G), widths, clusters=clusters)
         if not depths or _fits_png(guess, dpi):
-            return None, _view(G, None), guess
+            return None, _view(G, None, fold=fold), guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
         if depth > 1 and _too_many(collapsed_size(G, depth)):
             continue
-        view = bundle_parameters(collapse(G, depth, order=order, skips=False))
+        view = drawn(collapse(G, depth, order=order, skips=False))
         guess = estimate(view, widths, clusters=clusters)
         if _fits_png(guess, dpi):
             break
@@ -341,7 +347,7 @@ def _quick_depth(G: nx.MultiDiGraph, below: int | None = None) -> int | None:
     order = topological_order(G)
     top = module_depth(G) - 1 if below is None else min(below - 1, module_depth(G) - 1)
     for depth in range(top, 0, -1):
-        view = bundle_parameters(collapse(G, depth, order=order, skips=False))
+        view = fold_parameters(collapse(G, depth, order=order, skips=False))
         if estimate(view, label_width).work <= PNG_WORK:
             return depth
     return 1 if top >= 1 else None

@@ -510,20 +510,17 @@ def _norm_stack(blocks):
 
 @needs_dot
 def test_blocks_in_sequence_stack_instead_of_drifting_across():
-    # A block's parameters are drawn beside the layer norm that reads them, inside its box; a
-    # rank above, they would share the previous block's last rank, and dot would set the boxes
-    # side by side: eight blocks a staircase about eight blocks wide.
+    # A block's parameters are listed on the layer norm that reads them, inside its box; drawn
+    # a rank above, they would share the previous block's last rank, and dot would set the
+    # boxes side by side: eight blocks a staircase about eight blocks wide.
     one, _ = _dot_size(fxnx.to_pydot(_norm_stack(1)).to_string())
     G = _norm_stack(8)
     text = fxnx.to_pydot(G).to_string()
     width, height = _dot_size(text)
     assert width < 1.5 * one
-    y = _dot_ranks(text)
-    readers = [v for u, v in G.edges() if G.nodes[u]["op"] == "get_attr"]
-    assert len(readers) == 16  # each layer norm reads its weight and bias: one node beside it
-    for reader in readers:
-        assert y[f"{reader} parameters"] == y[reader], reader
-    drawn = render.bundle_parameters(G)
+    drawn = render.fold_parameters(G)  # each layer norm lists its weight and bias
+    assert {d["op"] for _, d in drawn.nodes(data=True)} == {"placeholder", "call_function",
+                                                             "call_module", "output"}
     guess = render.estimate(drawn, _style.label_width)  # the prediction follows what dot drew
     assert 0.7 < guess.across / width < 1.5
     assert 0.7 < guess.along / height < 1.5
@@ -532,10 +529,10 @@ def test_blocks_in_sequence_stack_instead_of_drifting_across():
 def test_parameters_are_named_by_attribute_inside_their_modules_box():
     G = _norm_stack(2)
     (reader,) = G.successors("_1_norm_weight")
-    boxed = fxnx.to_pydot(G).get_node(f"{reader} parameters")[0].get("label")
-    assert boxed.startswith("<<B>norm.weight · norm.bias</B>")  # in the box of block 1
-    loose = fxnx.to_pydot(G, clusters=False).get_node(f"{reader} parameters")[0].get("label")
-    assert loose.startswith("<<B>_1_norm_weight</B><BR/><B>_1_norm_bias</B>")  # one a line
+    boxed = fxnx.to_pydot(G).get_node(reader)[0].get("label")
+    assert '<I>norm.weight · norm.bias</I>' in boxed  # in the box of block 1, which reads them
+    loose = fxnx.to_pydot(G, clusters=False).get_node(reader)[0].get("label")
+    assert "<I>_1_norm_weight</I>" in loose and "<I>_1_norm_bias</I>" in loose  # one a line
 
 
 class _WrittenNorm(torch.nn.Module):
@@ -557,53 +554,49 @@ class _WrittenNorm(torch.nn.Module):
         return y * self.scale + self.scale + self.shift
 
 
-def _bundled_by_fx(model):
-    """The oracle, from torch.fx's own graph: reader to the attributes it alone reads, where it
-    reads two or more."""
+def _read_alone_by_fx(model):
+    """The oracle, from torch.fx's own graph: each attribute that one node alone reads, to
+    that node's name."""
     gm = torch.fx.symbolic_trace(model)
-    alone = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and len(node.users) == 1:
-            alone.setdefault(next(iter(node.users)).name, []).append(node.target)
-    return {reader: targets for reader, targets in alone.items() if len(targets) > 1}
+    return {node.target: next(iter(node.users)).name for node in gm.graph.nodes
+            if node.op == "get_attr" and len(node.users) == 1}
 
 
-def test_parameters_one_op_alone_reads_are_drawn_as_one_node_beside_it():
+def test_parameters_one_op_alone_reads_are_listed_on_it():
     model = torch.nn.Sequential(_WrittenNorm(4))
     G = fxnx.convert(model, torch.randn(3, 4, dtype=torch.float64))
-    before = sorted(G.nodes)
-    (reader, targets), = _bundled_by_fx(model).items()
-    assert sorted(targets) == ["0.bias", "0.running_mean", "0.running_var", "0.weight"]
+    before = {n: dict(d) for n, d in G.nodes(data=True)}
+    alone = _read_alone_by_fx(model)
+    assert sorted(alone) == ["0.bias", "0.running_mean", "0.running_var", "0.shift", "0.weight"]
     P = fxnx.to_pydot(G)
-    bundled = {n for n, d in G.nodes(data=True) if d["target"] in targets}
-    assert _drawn(P) == set(G) - bundled | {f"{reader} parameters"}
-    assert sorted(G.nodes) == before  # G itself is not changed
-    (node,) = P.get_node(f"{reader} parameters")
-    label = node.get("label")
-    for target in targets:  # each named within its module's box, the shared shape said once
-        assert target.removeprefix("0.") in label
-    assert "parameters, each 4" in label
-    assert all(t in node.get("tooltip") for t in targets)
-    edges = [e for e in _all_edges(P) if e.get_source().strip('"') == f"{reader} parameters"]
-    assert [e.get_destination() for e in edges] == [reader]
-    assert "xlabel" not in edges[0].get_attributes()
-    # A parameter read by two ops, and one read alone, stay nodes of their own.
-    assert {"_0_scale", "_0_shift"} <= _drawn(P)
+    listed = {n for n, d in G.nodes(data=True) if d["target"] in alone}
+    assert _drawn(P) == set(G) - listed  # 0.scale, read by two ops, is still a node
+    assert {n: dict(d) for n, d in G.nodes(data=True)} == before  # G itself is not changed
+    for target, reader in alone.items():  # named within its module's box, in italics
+        (node,) = P.get_node(reader)
+        assert target.removeprefix("0.") in node.get("label")
+        assert f"reads {target}: shape (4,)" in node.get("tooltip")
+    (norm,) = P.get_node(alone["0.weight"])
+    assert "<I>weight · bias</I>" in norm.get("label")
+    assert "<I>running_mean · running_var</I>" in norm.get("label")  # a few to a line
+    assert not any(e.get_source() in listed for e in _all_edges(P))
 
 
-def test_a_parameters_node_carries_the_norm_of_their_credit():
+def test_coloured_by_credit_each_parameter_keeps_its_node_and_colour():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_WrittenNorm(4))
     x = torch.randn(3, 4, dtype=torch.float64)
     G = fxnx.convert(model, x)
     fxnx.route_credit(G, model, x)
-    (reader,) = _bundled_by_fx(model)
-    drawn = render.bundle_parameters(G)
+    P = fxnx.to_pydot(G, color_by="credit_norm")
+    assert _drawn(P) == set(G)
     norm = model[0]
-    weight, bias = torch.autograd.grad(model(x).sum(), [norm.weight, norm.bias])
-    expected = torch.cat([weight, bias]).norm().item()  # the buffers carry no credit
-    got = drawn.nodes[f"{reader} parameters"]["credit_norm"]
-    assert abs(got - expected) <= 1e-12 * expected
+    grads = torch.autograd.grad(model(x).sum(), [norm.weight, norm.bias, norm.shift])
+    scale = _style.Scale(G, "credit_norm")
+    for name, grad in zip(["_0_weight", "_0_bias", "_0_shift"], grads):
+        expected = grad.norm().item()  # the oracle: autograd
+        assert abs(G.nodes[name]["credit_norm"] - expected) <= 1e-12 * expected
+        assert P.get_node(name)[0].get("fillcolor") == scale.color(expected)
 
 
 def test_constants_made_by_tracing_collapse_into_their_module():
@@ -640,11 +633,11 @@ def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch):
 def _deepest_fitting_depth(G, dpi=96):
     """The PNG depth by brute force: every depth collapsed and estimated, deepest fit wins."""
     widths = lambda node, data: _style.label_width(node, data, boxed=True)  # noqa: E731
-    if render._fits_png(render.estimate(render.bundle_parameters(G), widths), dpi):
+    if render._fits_png(render.estimate(render.fold_parameters(G), widths), dpi):
         return None
     top = render.module_depth(G) - 1
     for depth in range(top, 0, -1):
-        drawn = render.bundle_parameters(render.collapse(G, depth))
+        drawn = render.fold_parameters(render.collapse(G, depth))
         if render._fits_png(render.estimate(drawn, widths), dpi):
             return depth
     return 1
