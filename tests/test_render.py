@@ -593,7 +593,7 @@ def test_coloured_by_credit_each_parameter_keeps_its_node_and_colour():
     norm = model[0]
     grads = torch.autograd.grad(model(x).sum(), [norm.weight, norm.bias, norm.shift])
     scale = _style.Scale(G, "credit_norm")
-    for name, grad in zip(["_0_weight", "_0_bias", "_0_shift"], grads):
+    for name, grad in zip(["_0_weight", "_0_bias", "_0_shift"], grads, strict=True):
         expected = grad.norm().item()  # the oracle: autograd
         assert abs(G.nodes[name]["credit_norm"] - expected) <= 1e-12 * expected
         assert P.get_node(name)[0].get("fillcolor") == scale.color(expected)
