@@ -13,7 +13,8 @@ import networkx as nx
 from .analysis import skip_connections, topological_order
 from .errors import FxnxValueError
 
-__all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "fold_parameters", "module_depth"]
+__all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "fold_parameters", "folded_parameters",
+           "module_depth"]
 
 #: Appended to a module's path to name the collapsed node of its backward ops.
 BACKWARD_SUFFIX = " (backward)"
@@ -66,7 +67,7 @@ def collapsed_size(G: nx.MultiDiGraph, depth: int | None) -> int:
     (3, 3)
     """
     group = {node: node for node in G} if depth is None else _groups(G, depth)
-    return len(set(group.values()) - set(_folded(G, group)))
+    return len(set(group.values()) - set(folded_parameters(G, group)))
 
 
 def fold_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
@@ -86,7 +87,7 @@ def fold_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
     >>> sorted(H), [name for name, *_ in H.nodes["norm"]["parameters"]]
     (['a', 'b', 'norm', 'w2', 'x'], ['w'])
     """
-    folded = _folded(G)
+    folded = folded_parameters(G)
     if not folded:
         return G
     H = G.copy()
@@ -98,9 +99,10 @@ def fold_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
     return H
 
 
-def _folded(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -> dict[Any, Any]:
-    """Each parameter or buffer that one node alone reads, to that node; ``group`` maps ``G``
-    onto the view drawn, whose nodes read them."""
+def folded_parameters(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -> dict[Any, Any]:
+    """Each parameter or buffer that one node alone reads, to that node: what
+    :func:`fold_parameters` lists. ``group`` maps ``G`` onto the view drawn, whose nodes read
+    them."""
     view = group or {}
     folded = {}
     for node, op in G.nodes(data="op"):

@@ -9,7 +9,7 @@ picks the collapse depth once and runs ``dot`` once. No pydot, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,19 +107,21 @@ def estimate(
                     virtual=virtual)
 
 
-def area_floor(nodes: int) -> float:
-    """The least area, in square points, :func:`estimate` can predict for ``nodes`` nodes.
+def area_floor(widths: Iterable[float]) -> float:
+    """The least area, in square points, :func:`estimate` can predict for nodes this wide.
 
-    Each node takes at least its padding and the gap to its neighbour across, and a
-    rank's height along; a rank is as wide as its nodes together. So a graph with more
-    nodes than an area allows cannot fit it, whatever its shape, and need not be estimated.
+    Each node takes at least its width and the gap to its neighbour across (a rank
+    is as wide as its nodes together), and a rank's height along. So a graph whose
+    nodes need more than an area allows cannot fit it, whatever its shape, and need
+    not be estimated; ``NODE_PAD`` for each node bounds a graph known only by its
+    node count.
 
     Examples
     --------
-    >>> area_floor(10) / 72**2  # square inches
+    >>> area_floor([NODE_PAD] * 10) / 72**2  # square inches
     3.6728395061728394
     """
-    return nodes * (NODE_PAD + NODESEP) * RANK_STEP
+    return sum(width + NODESEP for width in widths) * RANK_STEP
 
 
 def beside_consumers(G: nx.MultiDiGraph) -> set[Any]:

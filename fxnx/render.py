@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import warnings
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ from typing import Any
 import networkx as nx
 
 from ._checks import without_checks
-from ._collapse import collapse, collapsed_size, fold_parameters, module_depth
-from ._layout import Estimate, area_floor, beside_consumers, bounded_options, estimate
+from ._collapse import collapse, collapsed_size, fold_parameters, folded_parameters, module_depth
+from ._layout import NODE_PAD, Estimate, area_floor, beside_consumers, bounded_options, estimate
 from ._style import (
     FONT,
     PLAIN,
@@ -299,9 +300,11 @@ def _fits_png(guess: Estimate, dpi: int) -> bool:
     return guess.work <= PNG_WORK and area <= PNG_AREA and max(across, along) <= MAX_PIXELS
 
 
-def _too_many(nodes: int) -> bool:
-    """Whether no PNG of this many nodes can be readable and quick (see :func:`_fits_png`)."""
-    return nodes > PNG_WORK or area_floor(nodes) > PNG_AREA * 72**2
+def _too_many(nodes: int, widths: Iterable[float] | None = None) -> bool:
+    """Whether no PNG of this many nodes, of these widths if known, can be readable and quick
+    (see :func:`_fits_png`)."""
+    floor = area_floor([NODE_PAD] * nodes if widths is None else widths)
+    return nodes > PNG_WORK or floor > PNG_AREA * 72**2
 
 
 def _png_depth(
@@ -316,7 +319,10 @@ def _png_depth(
     widths = partial(label_width, boxed=clusters)
     drawn = fold_parameters if fold else (lambda view: view)
     depths = range(module_depth(G) - 1, 0, -1)
-    if not depths or not _too_many(collapsed_size(G, None)):
+    # Drawn whole, the nodes that stay are at least as wide as their own labels.
+    folded = folded_parameters(G) if fold else {}
+    kept = [(node, data) for node, data in G.nodes(data=True) if node not in folded]
+    if not depths or not _too_many(len(kept), [widths(node, data) for node, data in kept]):
         guess = estimate(drawn(G), widths, clusters=clusters)
         if not depths or _fits_png(guess, dpi):
             return None, _view(G, None, fold=fold), guess

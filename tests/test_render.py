@@ -684,6 +684,6 @@ def test_no_estimate_is_smaller_than_the_area_floor():
                   for node in G}
         for clusters in (True, False):
             e = render.estimate(G, lambda node, data, w=widths: w[node], clusters=clusters)
-            assert e.across * e.along >= area_floor(n)
+            assert e.across * e.along >= area_floor(widths.values())
     e = render.estimate(nx.MultiDiGraph([(0, 1)]), lambda node, data: NODE_PAD)
-    assert e.across * e.along == pytest.approx(area_floor(2))  # one node a rank: the floor
+    assert e.across * e.along == pytest.approx(area_floor([NODE_PAD] * 2))  # one a rank: the floor
