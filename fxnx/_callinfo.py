@@ -228,7 +228,7 @@ def qualified_name(target: Any) -> str:
     return "operator." + name[len("_operator.") :] if name.startswith("_operator.") else name
 
 
-@cache
+@lru_cache(maxsize=4096)
 def _class_name(cls: type) -> str:  # asked for each module around each node: cached
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 

@@ -1,5 +1,4 @@
-"""Collapsing for drawings: every module nested deeper than a depth becomes one node, and the
-parameters and buffers that one node alone reads are listed on it.
+"""Collapsing modules: every module nested deeper than a depth becomes one node.
 
 Used by :mod:`fxnx.render` to draw large models; no pydot, no torch.
 """
@@ -10,11 +9,11 @@ from typing import Any
 
 import networkx as nx
 
+from ._fold import folded_parameters
 from .analysis import skip_connections, topological_order
 from .errors import FxnxValueError
 
-__all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "fold_parameters", "folded_parameters",
-           "module_depth"]
+__all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "module_depth"]
 
 #: Appended to a module's path to name the collapsed node of its backward ops.
 BACKWARD_SUFFIX = " (backward)"
@@ -52,9 +51,9 @@ def collapse(
     return H
 
 
-def collapsed_size(G: nx.MultiDiGraph, depth: int | None) -> int:
+def collapsed_size(G: nx.MultiDiGraph, depth: int) -> int:
     """How many nodes ``G`` is drawn with at ``depth``, at least, without building the view:
-    :func:`collapse` (``None``: no module collapsed), then :func:`fold_parameters`.
+    :func:`collapse`, then :func:`fxnx._fold.fold_parameters`.
 
     A module whose merged calls would close a cycle stays expanded, so the view
     may have more.
@@ -66,51 +65,8 @@ def collapsed_size(G: nx.MultiDiGraph, depth: int | None) -> int:
     >>> collapsed_size(G, 1), collapse(G, 1).number_of_nodes()
     (3, 3)
     """
-    group = {node: node for node in G} if depth is None else _groups(G, depth)
+    group = _groups(G, depth)
     return len(set(group.values()) - set(folded_parameters(G, group)))
-
-
-def fold_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
-    """``G`` with the parameters and buffers that one node alone reads listed on that node
-    instead of drawn as nodes of their own (``G`` itself when there are none).
-
-    The reader's ``parameters`` holds the name, target and shape of each, in
-    ``G``'s order: timm's normalisation layers read four tensors in one call, which
-    drawn side by side set the figure's width. A parameter that several nodes read
-    stays a node.
-
-    Examples
-    --------
-    >>> G = nx.MultiDiGraph([("x", "norm"), ("w", "norm"), ("w2", "a"), ("w2", "b")])
-    >>> nx.set_node_attributes(G, {"w": "get_attr", "w2": "get_attr"}, "op")
-    >>> H = fold_parameters(G)
-    >>> sorted(H), [name for name, *_ in H.nodes["norm"]["parameters"]]
-    (['a', 'b', 'norm', 'w2', 'x'], ['w'])
-    """
-    folded = folded_parameters(G)
-    if not folded:
-        return G
-    H = G.copy()
-    H.remove_nodes_from(folded)
-    for node, reader in folded.items():
-        data = G.nodes[node]
-        H.nodes[reader]["parameters"] = [*H.nodes[reader].get("parameters", ()),
-                                         (node, data.get("target"), data.get("out_shape"))]
-    return H
-
-
-def folded_parameters(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -> dict[Any, Any]:
-    """Each parameter or buffer that one node alone reads, to that node: what
-    :func:`fold_parameters` lists. ``group`` maps ``G`` onto the view drawn, whose nodes read
-    them."""
-    view = group or {}
-    folded = {}
-    for node, op in G.nodes(data="op"):
-        if op == "get_attr" and view.get(node, node) == node:
-            readers = {view.get(v, v) for v in G.successors(node)}
-            if len(readers) == 1:
-                folded[node] = readers.pop()
-    return folded
 
 
 def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:

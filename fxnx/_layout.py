@@ -25,6 +25,8 @@ LABEL_CHAR = 5.6
 NODE_PAD, VIRTUAL = 16.0, 10.0
 #: Points between neighbours in a rank (nodesep) and from rank to rank (height plus ranksep).
 NODESEP, RANK_STEP = 18.0, 56.0
+#: Points each line beyond a node's name and kind adds to its height (10-point text).
+LINE = 12.0
 #: Points a module's box adds across: its margins on either side and its border.
 CLUSTER_PAD = 18.0
 #: Past this many nodes plus virtual nodes, dot's network simplex and crossing reduction are
@@ -56,15 +58,18 @@ def estimate(
     label_width: Callable[[Any, dict[str, Any]], float],
     *,
     clusters: bool = True,
+    label_height: Callable[[Any, dict[str, Any]], float] | None = None,
 ) -> Estimate:
     """Predict the size of ``G``'s dot layout and the work it takes.
 
     Ranks are those of the longest path from the inputs, with every node that
     no input feeds just above its first consumer, or on its rank for
     parameters (:func:`beside_consumers`), as drawn. ``label_width(node,
-    data)`` gives a node's width in points. With ``clusters``, each module's box (from the nodes' ``scope``)
-    is a rectangle over the ranks it spans, as in dot: boxes whose ranks
-    overlap sit side by side.
+    data)`` gives a node's width in points, and ``label_height(node, data)``
+    what its label adds to its rank's height (nothing by default). With
+    ``clusters``, each module's box (from the nodes' ``scope``) is a rectangle
+    over the ranks it spans, as in dot: boxes whose ranks overlap sit side by
+    side.
 
     Examples
     --------
@@ -103,7 +108,13 @@ def estimate(
     for r in range(ranks):
         running += crossing[r]
         across = max(across, right.get(r, 0.0) + running * (VIRTUAL + NODESEP))
-    return Estimate(across=across, along=ranks * RANK_STEP, nodes=G.number_of_nodes(),
+    taller: dict[int, float] = {}  # the tallest label's extra height, per rank
+    for node, data in G.nodes(data=True) if label_height else ():
+        extra = label_height(node, data)
+        if extra > taller.get(rank[node], 0.0):
+            taller[rank[node]] = extra
+    along = ranks * RANK_STEP + sum(taller.values())
+    return Estimate(across=across, along=along, nodes=G.number_of_nodes(),
                     virtual=virtual)
 
 

@@ -16,13 +16,14 @@ from typing import Any
 
 import networkx as nx
 
+from ._fold import LISTED
 from .analysis import short_name
 from .errors import FxnxValueError
 
 __all__ = [
     "BACKWARD", "BACKWARD_FILL", "FILLS", "FONT", "FORK", "MERGE", "OPAQUE", "PLAIN",
     "RESIDUAL", "SKIP", "SKIP_STYLE", "Scale", "VIRIDIS", "cluster_label", "edge_style", "kind",
-    "label_width", "legend", "node_id", "node_style", "quoted", "text",
+    "label_height", "label_width", "legend", "node_id", "node_style", "quoted", "text",
 ]
 
 #: Okabe and Ito's colour-blind-safe colours: skip branches vermillion and dashed, residual
@@ -41,6 +42,8 @@ VIRIDIS = ("#440154", "#472D7B", "#3B528B", "#2C728E", "#21918C", "#28AE80", "#5
            "#ADDC30", "#FDE725")
 #: A standard PostScript font: SVG names it (with sans-serif as fallback), PDF embeds it.
 FONT = "Helvetica"
+#: Characters a line of the parameters listed on a node may hold, unless one name is longer.
+NAMES_LINE = 26
 
 _PLAIN_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PYDOT_QUOTES = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_. ()+\-/]*\Z")  # pydot quotes these faithfully
@@ -117,15 +120,12 @@ def _title(node: Any, data: dict[str, Any], boxed: bool = True) -> str:
     return str(node)
 
 
-#: Characters a line of the parameters listed on a node may hold, unless one name is longer.
-NAMES_LINE = 26
-
-
 def _parameter_lines(data: dict[str, Any], boxed: bool = True) -> list[str]:
-    """The parameters listed on a node (see :func:`fxnx._collapse.fold_parameters`), a few to a
-    line, each named as its own node would be."""
+    """The parameters listed on a node (see :func:`fxnx._fold.fold_parameters`), a few to a
+    line: inside the node's module box by their path from it (``weight``), else by their
+    node names."""
     names = [_title(name, {"op": "get_attr", "target": target, "scope": data.get("scope")}, boxed)
-             for name, target, _ in data.get("parameters", ())]
+             for name, target, _ in data.get(LISTED, ())]
     lines: list[str] = []
     for name in names:
         if lines and len(lines[-1]) + 3 + len(name) <= NAMES_LINE:
@@ -133,6 +133,14 @@ def _parameter_lines(data: dict[str, Any], boxed: bool = True) -> list[str]:
         else:
             lines.append(name)
     return lines
+
+
+def label_height(node: Any, data: dict[str, Any], boxed: bool = True) -> float:
+    """What a node's listed parameters add to its height in points, for
+    :func:`fxnx._layout.estimate`."""
+    from ._layout import LINE
+
+    return LINE * len(_parameter_lines(data, boxed))
 
 
 def label_width(node: Any, data: dict[str, Any], boxed: bool = True) -> float:
@@ -150,7 +158,7 @@ def _tooltip(node: Any, data: dict[str, Any], kind_text: str) -> str:
     if data.get("op") == "module" and data.get("members"):
         lines.append(f"{data['members']} ops collapsed")
     lines.extend(f"reads {target}: shape {shape} (node {name})"
-                 for name, target, shape in data.get("parameters", ()))
+                 for name, target, shape in data.get(LISTED, ()))
     return "\n".join(lines)
 
 
@@ -272,7 +280,8 @@ def _line(color: str, dashed: bool) -> str:
 
 def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
     """The legend, as the drawing's own label above it at the right (a node beside the input
-    would widen the figure): one row for each mark that the drawing of ``G`` shows."""
+    would widen the figure): the model's name, and one row for each mark that the drawing
+    of ``G`` shows; no label when there is nothing to say."""
     node_roles = {data.get("branch_role") for _, data in G.nodes(data=True)}
     edge_roles = {data.get("branch_role") for *_, data in G.edges(data=True)}
     rows = []
@@ -296,6 +305,8 @@ def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
             f'<TR><TD BORDER="1" BGCOLOR="{BACKWARD_FILL}" COLOR="{BACKWARD}"> </TD>'
             '<TD ALIGN="LEFT">backward pass</TD></TR>'
         )
+    if any(data.get(LISTED) for _, data in G.nodes(data=True)):
+        rows.append('<TR><TD><I>italics</I></TD><TD ALIGN="LEFT">parameters only this op reads</TD></TR>')
     left_out = G.graph.get("checks_left_out")
     if left_out:
         rows.append(
@@ -312,8 +323,9 @@ def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
             f'<TR><TD COLSPAN="2">{text(scale.attr)}{" (log scale)" if scale.log else ""}</TD></TR>'
         )
     title = text(str(G.graph.get("model") or "").rsplit(".", 1)[-1])
-    table = (
-        f'<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2"><TR><TD COLSPAN="2"><B>{title}</B></TD></TR>'
-        + "".join(rows) + "</TABLE>"
-    )
+    if title:  # (an empty <B></B> is a syntax error to dot)
+        rows.insert(0, f'<TR><TD COLSPAN="2"><B>{title}</B></TD></TR>')
+    if not rows:
+        return {}
+    table = '<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2">' + "".join(rows) + "</TABLE>"
     return {"label": f"<{table}>", "labelloc": "t", "labeljust": "r", "fontsize": "11"}

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import warnings
-from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,8 @@ from typing import Any
 import networkx as nx
 
 from ._checks import without_checks
-from ._collapse import collapse, collapsed_size, fold_parameters, folded_parameters, module_depth
+from ._collapse import collapse, collapsed_size, module_depth
+from ._fold import fold_parameters, folded_parameters
 from ._layout import NODE_PAD, Estimate, area_floor, beside_consumers, bounded_options, estimate
 from ._style import (
     FONT,
@@ -30,6 +30,7 @@ from ._style import (
     Scale,
     cluster_label,
     edge_style,
+    label_height,
     label_width,
     legend,
     node_id,
@@ -126,7 +127,7 @@ def to_pydot(
 def _view(G: nx.MultiDiGraph, depth: int | None, *, fold: bool = True) -> nx.MultiDiGraph:
     """What is drawn of ``G`` at ``depth``, its skip connections marked: the collapsed view,
     or ``G`` itself (marked unless it already carries them). With ``fold``, the parameters
-    that one node alone reads are listed on it (:func:`fxnx._collapse.fold_parameters`);
+    that one node alone reads are listed on it (:func:`fxnx._fold.fold_parameters`);
     coloured by a value, each keeps a node in its own colour."""
     if depth is not None:
         view = collapse(G, depth)
@@ -264,8 +265,7 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
         depth, view, guess = _png_depth(G, dpi, options.get("clusters", True), fold)
     else:
         view = _view(G, depth, fold=fold)
-        clusters = options.get("clusters", True)
-        guess = estimate(view, partial(label_width, boxed=clusters), clusters=clusters)
+        guess = _estimate(view, options.get("clusters", True))
     if fmt == "png" and guess.pixels(dpi)[1] > MAX_PIXELS:
         raise FxnxValueError(_too_large(path, depth, dpi))
     text = _pydot(view, graph_attrs=bounded_options(guess), **_defaults(options)).to_string()
@@ -275,7 +275,7 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
         raise FxnxValueError(
             f"Graphviz's dot did not lay out {path.name} within {DOT_TIMEOUT:.0f} s "
             f"({guess.nodes} nodes, {guess.virtual} virtual nodes for long edges): "
-            f"{_smaller(G, depth)}"
+            f"{_smaller(G, depth, fold)}"
         ) from err
     if "too large" in notes:  # dot would scale the PNG down into a blur: not what was asked
         raise FxnxValueError(_too_large(path, depth, dpi))
@@ -300,11 +300,16 @@ def _fits_png(guess: Estimate, dpi: int) -> bool:
     return guess.work <= PNG_WORK and area <= PNG_AREA and max(across, along) <= MAX_PIXELS
 
 
-def _too_many(nodes: int, widths: Iterable[float] | None = None) -> bool:
-    """Whether no PNG of this many nodes, of these widths if known, can be readable and quick
-    (see :func:`_fits_png`)."""
-    floor = area_floor([NODE_PAD] * nodes if widths is None else widths)
-    return nodes > PNG_WORK or floor > PNG_AREA * 72**2
+def _estimate(view: nx.MultiDiGraph, clusters: bool) -> Estimate:
+    """:func:`fxnx._layout.estimate` with the sizes of the labels drawn."""
+    return estimate(view, partial(label_width, boxed=clusters), clusters=clusters,
+                    label_height=partial(label_height, boxed=clusters))
+
+
+def _too_many(widths: list[float]) -> bool:
+    """Whether no PNG of nodes this wide can be readable and quick (see :func:`_fits_png`);
+    ``NODE_PAD`` each for nodes known only by their count."""
+    return len(widths) > PNG_WORK or area_floor(widths) > PNG_AREA * 72**2
 
 
 def _png_depth(
@@ -316,22 +321,22 @@ def _png_depth(
     A depth whose view has too many nodes to fit, whatever their layout, is passed
     over without building the view. ``fold`` is :func:`_view`'s.
     """
-    widths = partial(label_width, boxed=clusters)
     drawn = fold_parameters if fold else (lambda view: view)
     depths = range(module_depth(G) - 1, 0, -1)
     # Drawn whole, the nodes that stay are at least as wide as their own labels.
     folded = folded_parameters(G) if fold else {}
-    kept = [(node, data) for node, data in G.nodes(data=True) if node not in folded]
-    if not depths or not _too_many(len(kept), [widths(node, data) for node, data in kept]):
-        guess = estimate(drawn(G), widths, clusters=clusters)
+    kept = [label_width(node, data, boxed=clusters)
+            for node, data in G.nodes(data=True) if node not in folded]
+    if not depths or not _too_many(kept):
+        guess = _estimate(drawn(G), clusters)
         if not depths or _fits_png(guess, dpi):
             return None, _view(G, None, fold=fold), guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
-        if depth > 1 and _too_many(collapsed_size(G, depth)):
+        if depth > 1 and _too_many([NODE_PAD] * collapsed_size(G, depth)):
             continue
         view = drawn(collapse(G, depth, order=order, skips=False))
-        guess = estimate(view, widths, clusters=clusters)
+        guess = _estimate(view, clusters)
         if _fits_png(guess, dpi):
             break
     skip_connections(view)  # the skip connections still visible once modules are collapsed
@@ -344,7 +349,7 @@ def _png_depth(
     return depth, view, guess
 
 
-def _quick_depth(G: nx.MultiDiGraph, below: int | None = None) -> int | None:
+def _quick_depth(G: nx.MultiDiGraph, below: int | None = None, fold: bool = True) -> int | None:
     """The deepest depth, under ``below`` if given, at which dot's layout of ``G`` is quick.
 
     None when collapsing cannot make ``G`` smaller: it has no nested modules,
@@ -353,15 +358,15 @@ def _quick_depth(G: nx.MultiDiGraph, below: int | None = None) -> int | None:
     order = topological_order(G)
     top = module_depth(G) - 1 if below is None else min(below - 1, module_depth(G) - 1)
     for depth in range(top, 0, -1):
-        view = fold_parameters(collapse(G, depth, order=order, skips=False))
-        if estimate(view, label_width).work <= PNG_WORK:
+        view = collapse(G, depth, order=order, skips=False)
+        if _estimate(fold_parameters(view) if fold else view, True).work <= PNG_WORK:
             return depth
     return 1 if top >= 1 else None
 
 
-def _smaller(G: nx.MultiDiGraph, depth: int | None) -> str:
+def _smaller(G: nx.MultiDiGraph, depth: int | None, fold: bool = True) -> str:
     """What to do when dot's layout of ``G`` at ``depth`` is too slow: a depth, if one helps."""
-    quick = _quick_depth(G, depth)
+    quick = _quick_depth(G, depth, fold)
     if quick is None:
         why = "it has no nested modules" if depth is None else f"it is drawn at depth={depth}"
         return (

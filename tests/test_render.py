@@ -582,6 +582,59 @@ def test_parameters_one_op_alone_reads_are_listed_on_it():
     assert not any(e.get_source() in listed for e in _all_edges(P))
 
 
+class _Returns(torch.nn.Module):
+    """Returns a parameter beside its output: the output node reads it, and lists nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.lin(x), self.w
+
+
+def test_a_returned_parameter_stays_a_node_and_a_users_attributes_are_not_listed():
+    G = fxnx.convert(_Returns(), torch.zeros(1, 4))
+    gm = torch.fx.symbolic_trace(_Returns())  # the oracle: torch.fx reads w for the output
+    (read,) = [n.name for n in gm.graph.nodes if n.op == "get_attr"]
+    assert [u.op for u in next(n for n in gm.graph.nodes if n.name == read).users] == ["output"]
+    nx.set_node_attributes(G, 3, "parameters")  # a user's attribute of that name
+    P = fxnx.to_pydot(G)
+    assert read in _drawn(P)
+    assert not any("<I>" in str(n.get("label")) for n in P.get_nodes())
+    assert "italics" not in _legend(P)
+
+
+@needs_dot
+def test_the_estimate_counts_the_lines_of_listed_parameters():
+    class Norms(torch.nn.Module):  # two written-out batch norms: four tensors listed on each
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = _WrittenNorm(4), _WrittenNorm(4)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    G = fxnx.convert(torch.nn.Sequential(*(Norms() for _ in range(10))),
+                     torch.zeros(2, 4, dtype=torch.float64))
+    text = fxnx.to_pydot(G).to_string()
+    assert "parameters only this op reads" in _legend(fxnx.to_pydot(G))
+    width, height = _dot_size(text)
+    guess = render._estimate(render.fold_parameters(render._view(G, None)), True)
+    assert 0.9 < guess.along / height < 1.15, (guess.along, height)  # 0.83 without the lines
+    assert 0.7 < guess.across / width < 1.5
+
+
+@needs_dot
+def test_a_graph_without_a_model_name_draws():
+    G = nx.MultiDiGraph([("x", "y")])
+    nx.set_node_attributes(G, {"x": "placeholder", "y": "output"}, "op")
+    text = fxnx.to_pydot(G).to_string()
+    done = render.subprocess.run(["dot", "-Tsvg"], input=text.encode(), capture_output=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_coloured_by_credit_each_parameter_keeps_its_node_and_colour():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_WrittenNorm(4))
@@ -632,13 +685,12 @@ def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch):
 
 def _deepest_fitting_depth(G, dpi=96):
     """The PNG depth by brute force: every depth collapsed and estimated, deepest fit wins."""
-    widths = lambda node, data: _style.label_width(node, data, boxed=True)  # noqa: E731
-    if render._fits_png(render.estimate(render.fold_parameters(G), widths), dpi):
+    if render._fits_png(render._estimate(render.fold_parameters(G), True), dpi):
         return None
     top = render.module_depth(G) - 1
     for depth in range(top, 0, -1):
         drawn = render.fold_parameters(render.collapse(G, depth))
-        if render._fits_png(render.estimate(drawn, widths), dpi):
+        if render._fits_png(render._estimate(drawn, True), dpi):
             return depth
     return 1
 
@@ -663,9 +715,8 @@ def _check_png_depth(model):
         depth, view, _ = render._png_depth(G, 96, True)
     assert depth == _deepest_fitting_depth(G)
     assert "skip_connections" in view.graph  # the view drawn has its own skip marks
-    for d in [None, *range(1, render.module_depth(G) + 1)]:  # the count it passes over by:
-        drawn = render._view(G, d)  # a floor
-        assert render.collapsed_size(G, d) <= drawn.number_of_nodes()
+    for d in range(1, render.module_depth(G) + 1):  # the count it passes over by: a floor
+        assert render.collapsed_size(G, d) <= render._view(G, d).number_of_nodes()
 
 
 def test_no_estimate_is_smaller_than_the_area_floor():
