@@ -135,6 +135,11 @@ def _view(G: nx.MultiDiGraph, depth: int | None, *, fold: bool = True) -> nx.Mul
         if "skip_connections" not in G.graph:
             skip_connections(G)
         view = G
+    return _listed(view, fold)
+
+
+def _listed(view: nx.MultiDiGraph, fold: bool) -> nx.MultiDiGraph:
+    """``view`` with, if ``fold``, the parameters that one node alone reads listed on it."""
     return fold_parameters(view) if fold else view
 
 
@@ -321,21 +326,20 @@ def _png_depth(
     A depth whose view has too many nodes to fit, whatever their layout, is passed
     over without building the view. ``fold`` is :func:`_view`'s.
     """
-    drawn = fold_parameters if fold else (lambda view: view)
     depths = range(module_depth(G) - 1, 0, -1)
     # Drawn whole, the nodes that stay are at least as wide as their own labels.
     folded = folded_parameters(G) if fold else {}
     kept = [label_width(node, data, boxed=clusters)
             for node, data in G.nodes(data=True) if node not in folded]
     if not depths or not _too_many(kept):
-        guess = _estimate(drawn(G), clusters)
+        guess = _estimate(_listed(G, fold), clusters)
         if not depths or _fits_png(guess, dpi):
             return None, _view(G, None, fold=fold), guess
     order = topological_order(G)
     for depth in depths:  # the last one tried, depth 1, is drawn even if it does not fit
         if depth > 1 and _too_many([NODE_PAD] * collapsed_size(G, depth)):
             continue
-        view = drawn(collapse(G, depth, order=order, skips=False))
+        view = _listed(collapse(G, depth, order=order, skips=False), fold)
         guess = _estimate(view, clusters)
         if _fits_png(guess, dpi):
             break
@@ -358,8 +362,8 @@ def _quick_depth(G: nx.MultiDiGraph, below: int | None = None, fold: bool = True
     order = topological_order(G)
     top = module_depth(G) - 1 if below is None else min(below - 1, module_depth(G) - 1)
     for depth in range(top, 0, -1):
-        view = collapse(G, depth, order=order, skips=False)
-        if _estimate(fold_parameters(view) if fold else view, True).work <= PNG_WORK:
+        view = _listed(collapse(G, depth, order=order, skips=False), fold)
+        if _estimate(view, True).work <= PNG_WORK:
             return depth
     return 1 if top >= 1 else None
 
