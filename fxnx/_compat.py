@@ -40,6 +40,7 @@ __all__ = [
     "qualified_function_name",
     "schema_signature",
     "sequence_nr",
+    "version",
 ]
 
 #: (private name, what fxnx uses it for, what happens when it is missing)
@@ -104,6 +105,13 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "make_fx(..., _error_on_data_dependent_ops=False)",
         "make_fx on models whose control flow reads tensor values",
         "make_fx's default: such models fail on that route and the ladder reports it",
+    ),
+    (
+        "torch.Tensor._version",
+        "route_credit: telling which node's value a later node writes into in place, so that "
+        "each node's credit is that of the value it computed",
+        "no such writes are told apart: credit at a value written in place later is that of "
+        "the written value",
     ),
     (
         "torch.autograd.graph.Node._sequence_nr",
@@ -269,3 +277,8 @@ def mask_helpers() -> list[tuple[Any, str]]:
     functional = torch.nn.functional
     return [(functional, name) for name in ("_canonical_mask", "_none_or_dtype")
             if callable(getattr(functional, name, None))]
+
+
+def version(tensor: torch.Tensor) -> int:
+    """How many times ``tensor``'s data has been written in place (autograd's counter)."""
+    return int(getattr(tensor, "_version", 0))

@@ -149,7 +149,7 @@ def test_output_credit_instead_of_a_loss():
     ref = copy.deepcopy(model)
     x = _batches(1)[0][0]
     credit = torch.randn(6, 3, dtype=torch.float64)
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, node_credit=True)
     router(x)
     res = router.backward(output_credit=credit, node_credit=True)
     ref(x).backward(credit)

@@ -24,7 +24,7 @@ def _mlp(*sizes):
 
 
 def _route(model, x, rule, e, steps=1, **options):
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, **options)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, node_credit=True, **options)
     results = []
     for _ in range(steps):
         router(x)
@@ -69,7 +69,7 @@ def test_feedback_weights_are_reusable_in_route_credit():
 def test_sign_symmetry_by_hand(variant):
     model = _mlp(5, 7, 3)
     x, e = torch.randn(3, 5, dtype=f64), torch.eye(3, dtype=f64)  # credit at a = B itself
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=variant)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=variant, node_credit=True)
     seen = []
     for _ in range(2):
         router(x)

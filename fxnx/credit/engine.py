@@ -1,55 +1,64 @@
-"""Training with credit routed over the graph: a router built once, used every step."""
+"""Training with credit routed over the graph: a module whose backward is the routing."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import networkx as nx
 import torch
-import torch.fx as fx
 from torch import Tensor, nn
 
 from .._compat import pytree
+from .._state import preserved
 from ..capturing import TRACING_LOCK
 from ..capturing.options import LeafSpec
 from ..capturing.reuse import recapture
 from ..contract import validate
 from ..errors import FxnxTypeError, FxnxValueError
-from .plan import Plan, Tape, compile_plan
-from .presets import PRESETS, Preset, lookup
+from .graft import Graft, graft
+from .plan import Plan, compile_plan
+from .presets import PRESETS, Preset, check_kinds, lookup
 from .record import NodeCall
 from .result import CreditResult
-from .rules import Exact, RoutingState, Rule, check_rule, rule_name
+from .rules import Exact, Rule, check_rule, rule_name
 
 __all__ = ["CreditRouter"]
 
 _EXACT = Exact()
+_RESULT = "\0result"  # the model's output among the values whose credit backward() reports
 
 
-class CreditRouter:
-    """Train ``model`` with credit routed over its graph ``G`` by a learning rule.
+class CreditRouter(nn.Module):
+    """The model, trained by a learning rule: credit routed over ``G`` inside autograd.
 
-    ``router(*inputs, **kwargs)`` is the model's forward: it returns the model's
-    output (to feed any loss) and updates buffers (BatchNorm's running
-    statistics) as ``model(...)`` does, in the model's current train/eval mode.
-    ``router.backward(loss)`` then routes ``d(loss)/d(output)`` backward over
-    ``G`` and adds each trainable parameter's credit into its ``.grad``, as
-    ``loss.backward()`` would; frozen parameters are left alone. With
-    ``rule="exact"`` this is backpropagation: training with the router is
-    training with autograd, bit for bit.
+    ``router(*inputs, **kwargs)`` is the model's forward over its captured graph:
+    the same output (to feed any loss), buffers (BatchNorm's running statistics)
+    updated as ``model(...)`` updates them. Its backward is routing over ``G``:
+    ``loss.backward()`` sends credit backward in ``G``'s reverse topological
+    order along ``G``'s edges, each node's backward being torch's own for that
+    node or its rule's, and adds each trainable parameter's credit into its
+    ``.grad``. Everything PyTorch training relies on therefore holds: terms of
+    the loss that do not pass through the output (weight decay, regularisers)
+    get their exact gradient, several forwards before one backward add up, each
+    forward's backward routes that forward (threads included), ``.grad``
+    accumulates across backward calls, frozen parameters are left alone, and
+    ``DistributedDataParallel(router)``, ``torch.autocast``,
+    ``torch.utils.checkpoint`` and optimizers work unchanged. With
+    ``rule="exact"`` the router is the model, bit for bit.
 
-    The capture of the model and the routing plan (visiting order, each node's
-    bound rule, edge matching, the order of sums) are made on the first call and
-    reused while the model's structure and the inputs' structure stay the same;
-    ``G`` is validated once, here. Build a new router after editing ``G``.
+    The router is an ``nn.Module`` holding ``model``: ``router.parameters()`` and
+    buffers are the model's. The capture of the model and the routing plan are
+    made on the first call and reused while the model's structure and the
+    inputs' structure stay the same; ``G`` is validated once, here.
 
     Parameters
     ----------
     G : networkx.MultiDiGraph
         The graph :func:`fxnx.convert` made of ``model``, possibly with edges
-        removed (an edge removed carries no credit).
+        removed (an edge removed carries no credit; its value still flows forward).
     model : nn.Module or callable
     rule : str, Preset or mapping
         A preset name (``"exact"``, ``"feedback_alignment"``, ``"usf"``,
@@ -64,6 +73,10 @@ class CreditRouter:
     feedback : mapping, optional
         Node name to feedback weights to use instead of drawing them (as in
         :attr:`feedback` of another router, or ``CreditResult.feedback``).
+    node_credit : bool
+        Keep every node's value from the forward, so that
+        ``router.backward(..., node_credit=True)`` reports the credit at every
+        node (memory: every activation is kept until that backward).
     leaf_modules, concrete_args
         Rarely needed: ``G`` carries the options it was captured with
         (``G.graph["capture_options"]``), and these replace the stored ones;
@@ -73,7 +86,8 @@ class CreditRouter:
     ------
     FxnxValueError, FxnxTypeError
         ``G`` is not a graph of a module-level capture; an unknown preset; a
-        rule that is not a rule; a rule for a node ``G`` lacks.
+        preset key that is not a node kind; a rule that is not a rule; a rule
+        for a node ``G`` lacks.
 
     Examples
     --------
@@ -83,14 +97,14 @@ class CreditRouter:
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     >>> x, y = torch.randn(8, 3), torch.randn(8, 2)
     >>> router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> opt = torch.optim.SGD(router.parameters(), lr=0.1, weight_decay=1e-4)
     >>> for step in range(3):
     ...     opt.zero_grad()
     ...     loss = torch.nn.functional.mse_loss(router(x), y)
-    ...     res = router.backward(loss)
+    ...     loss.backward()
     ...     opt.step()
-    >>> sorted(router.feedback), res.rules["_0"]
-    (['_0', '_2'], 'feedback_alignment')
+    >>> sorted(router.feedback)
+    ['_0', '_2']
     """
 
     def __init__(
@@ -102,9 +116,11 @@ class CreditRouter:
         rules: Mapping[Any, Any] | None = None,
         seed: int = 0,
         feedback: Mapping[str, Any] | None = None,
+        node_credit: bool = False,
         leaf_modules: Iterable[LeafSpec] = (),
         concrete_args: Mapping[str, Any] | None = None,
     ) -> None:
+        super().__init__()
         if not isinstance(G, nx.MultiDiGraph):
             raise FxnxTypeError(
                 f"G must be the networkx.MultiDiGraph from fxnx.convert, got {type(G).__qualname__}"
@@ -125,22 +141,27 @@ class CreditRouter:
             check_rule(value, f"the rule for {kind!r}")
         self._by_name = {k: v for k, v in overrides.items() if isinstance(k, str)}
         self._by_kind = {k: v for k, v in overrides.items() if not isinstance(k, str)}
+        check_kinds(self._by_kind, "rules")
         unknown = sorted(set(self._by_name) - set(G))
         unknown_fb = sorted(set(feedback or {}) - set(G))
         if unknown or unknown_fb:
             what = "rules" if unknown else "feedback"
             raise FxnxValueError(f"{what} name nodes that G does not have: {unknown or unknown_fb}")
+        if isinstance(model, nn.Module):
+            self.model = model
+        else:  # a plain callable: not a submodule
+            object.__setattr__(self, "model", model)
         self.G = G
-        self.model = model
         self.seed = seed
+        self.node_credit = bool(node_credit)
         self._given = dict(feedback or {})
         # G carries the options it was captured with; these, when given, replace them.
         self._capture = {"leaf_modules": leaf_modules, "concrete_args": concrete_args}
-        self._plans: dict[tuple[int, bool], tuple[fx.GraphModule, Plan]] = {}
+        self._plans: dict[int, Plan] = {}
+        self._grafts: dict[tuple[int, bool], Graft] = {}
         self._bound: dict[tuple[str, int, int], Any] = {}
         self._plan: Plan | None = None
-        self._tape: tuple[Plan, Tape] | None = None
-        self._why_none = ""  # why there is no forward to route, where known
+        self._last = threading.local()  # this thread's last forward, for backward()
 
     @property
     def feedback(self) -> dict[str, Any]:
@@ -153,41 +174,45 @@ class CreditRouter:
             if getattr(rule, "feedback", None) is not None
         }
 
-    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The model's forward on ``inputs``, recorded for :meth:`backward`; returns its output."""
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The model's forward on ``inputs``, with the rules in its backward."""
         if not torch.is_grad_enabled():  # nothing to route afterwards: the plain forward
-            self._tape = None
-            self._why_none = (
+            self._last.run = None
+            self._last.why = (
                 "the last router(...) call ran under torch.no_grad() (or inference mode), "
                 "which records nothing: call it with gradients enabled"
             )
             return self.model(*inputs, **kwargs)
-        plan, tape = self._record(inputs, kwargs, training=True)
-        self._tape = (plan, tape)
-        for leaf in pytree.tree_leaves(tape.result):
-            if isinstance(leaf, Tensor) and leaf.requires_grad:
-                leaf.register_post_accumulate_grad_hook(_not_autograd)
-        return tape.result
+        run, values = self.grafted(inputs, kwargs, collect=self.node_credit)
+        with TRACING_LOCK:  # other threads' tracing must not patch the modules this run calls
+            result, output, nodes = run_checked(run, self.model, values)
+        self._last.run = (run, result, output, nodes)
+        return result
 
-    def backward(
+    def backward(  # type: ignore[override]
         self, loss: Tensor | None = None, *, output_credit: Any = None, node_credit: bool = False
     ) -> CreditResult:
-        """Route the credit of the last forward's output; add parameter credit into ``.grad``.
+        """Route the credit of this thread's last forward, as ``loss.backward()`` would, and
+        report it.
+
+        ``loss.backward()`` does the same and is the primary path; this call also
+        returns what was routed, and takes the credit at the output itself.
 
         Parameters
         ----------
         loss : tensor, optional
-            A scalar computed from the output the last call returned; the credit
-            at the output is ``d(loss)/d(output)``.
+            A scalar; every parameter's credit is ``d(loss)/d(parameter)`` as the
+            rules route it (terms that do not pass through the output are exact).
         output_credit : tensor or structure like the output, optional
             The credit at the output itself, instead of ``loss``.
         node_credit : bool
-            Keep every node's credit in the result (memory: about one more
-            copy of the activations).
+            Report every node's credit too (the router must have been built
+            with ``node_credit=True``).
 
         Returns
         -------
         CreditResult
+            Its tensors are its own: what was added to each ``.grad``, not ``.grad``.
 
         Raises
         ------
@@ -196,46 +221,86 @@ class CreditRouter:
             both or neither of ``loss`` and ``output_credit``; a loss that is not
             a scalar or does not depend on the output.
         """
-        if self._tape is None:
+        last = getattr(self._last, "run", None)
+        if last is None:
+            why = getattr(self._last, "why", "")
             raise FxnxValueError(
                 "router.backward needs a forward to route: call output = router(x), compute "
                 "the loss from that output, then router.backward(loss) (once per forward)"
-                + (f"; {self._why_none}" if self._why_none else "")
+                + (f"; {why}" if why else "")
             )
         if (loss is None) == (output_credit is None):
             raise FxnxValueError(
                 "router.backward takes either loss or output_credit=…, exactly one of them"
             )
-        plan, tape = self._tape
-        flat = self._loss_credit(loss, tape.result) if loss is not None else output_credit_like(
-            tape.result, output_credit
-        )
-        credit = tape.graph_credit(flat)
-        self._tape = None
-        self._why_none = "router.backward was already called on the last forward"
-        state = RoutingState(seed=self.seed, output_credit=credit)
-        nodes, params, used = plan.backward(tape, credit, state, keep=node_credit)
-        self._accumulate(plan, params, aliased=node_credit)
+        run, result, output, nodes = last
+        if node_credit and nodes is None:
+            raise FxnxValueError(
+                "router.backward(node_credit=True) needs every node's value from the forward: "
+                "build the router with CreditRouter(G, model, ..., node_credit=True)"
+            )
+        if loss is not None:
+            _check_loss(loss)
+            roots, grads = [loss], None
+        else:
+            flat = output_credit_like(result, output_credit)
+            pairs = [(t, g) for t, g in zip(pytree.tree_leaves(result), flat, strict=True)
+                     if isinstance(t, Tensor) and isinstance(g, Tensor) and t.requires_grad]
+            roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        params = {n: p for n, p in run.plan.params.items() if p.requires_grad}
+        names = [*run.names, _RESULT] if node_credit else [_RESULT]
+        try:
+            nodes_got, params_got = routed(names, (*nodes, result) if node_credit else (result,), roots, grads, params)
+        except RuntimeError as err:
+            if "second time" not in str(err):
+                raise
+            raise FxnxValueError(
+                "this forward was already routed: call router(x) again before each "
+                "router.backward (once per forward)"
+            ) from err
+        at_result = nodes_got.pop(_RESULT)
+        if loss is not None and at_result is None:
+            raise FxnxValueError(
+                "loss does not depend on the output the last router(...) call returned: compute "
+                "it from that output (not from model(x), nor from an earlier call's output)"
+            )
+        self._last.run = None
+        self._last.why = "router.backward was already called on the last forward"
+        with torch.no_grad():
+            for name, g in params_got.items():
+                p = params[name]
+                if p.grad is None:
+                    p.grad = torch.empty_like(p).copy_(g)
+                else:
+                    p.grad += g
+        if node_credit:
+            flat = pytree.tree_leaves(at_result) if at_result is not None else [None] * len(pytree.tree_leaves(result))
+            nodes_got[run.plan.entries[-1].call.name] = graph_credit(result, output, flat)
+        used = rules_used(run.plan, nodes_got)
         return CreditResult(
-            node_credit=nodes, param_credit=params, rules=used, rule=self.preset.name,
-            feedback=self.feedback, output=tape.result,
+            node_credit=nodes_got, param_credit=params_got, rules=used, rule=self.preset.name,
+            feedback=self.feedback, output=_detached(result),
         )
 
-    def _record(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, training: bool) -> tuple[Plan, Tape]:
-        """Capture (or reuse the capture), compile (or reuse) the plan, run the forward."""
+    def grafted(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, collect: bool) -> tuple[Graft, list[Any]]:
+        """The router's forward for these inputs (capture and graft reused or made) and the
+        values to call it with."""
         cap = recapture(self.G, self.model, inputs, kwargs, **self._capture)
-        key = (id(cap.gm), training)
-        kept = self._plans.get(key)
-        if kept is None:
-            plan = compile_plan(self.G, cap.gm, self.model, self._choose, training=training)
-            self._plans = {key: (cap.gm, plan)}  # the capture changed: the old plan is stale
-            self._warn_if_unused(plan)
-        else:
-            plan = kept[1]
-        self._plan = plan
-        with TRACING_LOCK:  # other threads' tracing must not patch the modules this run calls
-            tape = plan.forward(cap.inputs or [])
-        return plan, tape
+        key = (id(cap.gm), collect)
+        run = self._grafts.get(key)
+        if run is None:
+            plan = self._plans.get(id(cap.gm))
+            if plan is None:
+                plan = compile_plan(self.G, cap.gm, self.model, self._choose)
+                self._plans = {id(cap.gm): plan}  # the capture changed: the old plan is stale
+                self._grafts = {}
+                self._warn_if_unused(plan)
+            run = graft(plan, seed=self.seed, collect=collect)
+            if collect:
+                run = _probed(run, self.model, cap.inputs or [], self.seed)
+            self._grafts[key] = run
+        self._plan = run.plan
+        return run, cap.inputs or []
 
     def _choose(self, call: NodeCall) -> tuple[Any, str]:
         """The rule bound to ``call``'s node: the user's by name, by kind, the preset's, exact."""
@@ -265,59 +330,109 @@ class CreditRouter:
             warnings.warn(
                 f"rule {self.preset.name!r} applies to no node of this model; every node is "
                 "routed exactly",
-                stacklevel=4,
+                stacklevel=5,
             )
 
-    @staticmethod
-    def _loss_credit(loss: Any, output: Any) -> list[Any]:
-        """``d(loss)/d(leaf)`` for each leaf of ``output`` (``tree_flatten`` order), None where
-        the loss does not depend on it."""
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__qualname__
-            raise FxnxValueError(
-                f"loss must be a scalar tensor, got {what}; for credit of another shape, pass "
-                "router.backward(output_credit=...)"
-            )
-        flat = pytree.tree_leaves(output)
-        slots = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
-        unrelated = FxnxValueError(
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise FxnxTypeError(
+            "a CreditRouter cannot be pickled or copied (it holds its capture and this "
+            "thread's last forward): save the model's state_dict and router.feedback, and build "
+            "a new router with CreditRouter(G, model, rule, feedback=...)"
+        )
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__qualname__
+        raise FxnxValueError(
+            f"loss must be a scalar tensor, got {what}; for credit of another shape, pass "
+            "router.backward(output_credit=...)"
+        )
+    if not loss.requires_grad:
+        raise FxnxValueError(
             "loss does not depend on the output the last router(...) call returned: compute it "
             "from that output (not from model(x), nor from an earlier call's output)"
         )
-        if not loss.requires_grad or not slots:
-            raise unrelated
-        grads = torch.autograd.grad(loss, [flat[i] for i in slots], allow_unused=True)
-        if all(g is None for g in grads):
-            raise unrelated
-        credit: list[Any] = [None] * len(flat)
-        for i, g in zip(slots, grads, strict=True):
-            credit[i] = g
-        return credit
-
-    @staticmethod
-    def _accumulate(plan: Plan, params: dict[str, Tensor], *, aliased: bool) -> None:
-        """Add each parameter's credit into its ``.grad``, as autograd's AccumulateGrad does:
-        an empty ``.grad`` takes the credit itself (a copy where the tensor is shared or laid
-        out unlike the parameter), an existing one is added to in place."""
-        taken: set[int] = set()
-        with torch.no_grad():
-            for name, g in params.items():
-                p = plan.params[name]
-                if p.grad is None:
-                    if aliased or id(g) in taken or g.stride() != p.stride() or g.dtype != p.dtype:
-                        g = torch.empty_like(p).copy_(g)
-                    taken.add(id(g))
-                    p.grad = g
-                else:
-                    p.grad += g
 
 
-def _not_autograd(_: Tensor) -> None:
-    """Hooked on the router's output: ``loss.backward()`` would stop there, silently."""
-    raise FxnxValueError(
-        "loss.backward() cannot train through a CreditRouter: the output router(x) returns "
-        "ends the autograd graph. Call router.backward(loss) instead"
+def routed(
+    names: list[str], nodes: Any, roots: list[Tensor], grads: list[Tensor] | None, params: dict[str, Tensor],
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Autograd's backward from ``roots``: the credit at each value of ``nodes`` (named by
+    ``names``; the values a collecting forward returned, or None) and at each parameter.
+    Nothing is accumulated."""
+    wrt: list[Tensor] = list(params.values())
+    places: list[tuple[str, Any, list[int | None]]] = []
+    for name, value in zip(names, nodes or (), strict=False):
+        leaves, tree = pytree.tree_flatten(value)
+        index: list[int | None] = []
+        for t in leaves:
+            if isinstance(t, Tensor) and t.requires_grad:
+                index.append(len(wrt))
+                wrt.append(t)
+            else:
+                index.append(None)
+        places.append((name, tree, index))
+    if not wrt or not roots:
+        return {name: None for name, *_ in places}, {}
+    got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+    param_credit = {n: g for n, g in zip(params, got, strict=False) if g is not None}
+    node_credit: dict[str, Any] = {}
+    for name, tree, index in places:
+        parts = [None if i is None else got[i] for i in index]
+        node_credit[name] = None if all(p is None for p in parts) else pytree.tree_unflatten(parts, tree)
+    return node_credit, param_credit
+
+
+def rules_used(plan: Plan, node_credit: Mapping[str, Any] | None) -> dict[str, str]:
+    """The rule of each computing node (that received credit, where that is known)."""
+    return {
+        e.call.name: e.rule_name for e in plan.entries
+        if (e.rule is not None or e.call.op == "output")
+        and (not node_credit or node_credit.get(e.call.name) is not None)
+    }
+
+
+def graph_credit(result: Any, output: Any, flat: list[Any]) -> Any:
+    """Credit for each leaf of ``result`` (``tree_flatten`` order) in the structure of
+    ``output``, what the graph's output node took (a flat tuple for ``torch.export``
+    graphs, whose codegen rebuilds the model's structure from the same tensors)."""
+    leaves, spec = pytree.tree_flatten(result)
+    if result is output:
+        return pytree.tree_unflatten(list(flat), spec)
+    where = {id(t): k for k, t in enumerate(leaves) if isinstance(t, Tensor)}
+    out_leaves, out_spec = pytree.tree_flatten(output)
+    return pytree.tree_unflatten(
+        [flat[where[id(t)]] if isinstance(t, Tensor) and id(t) in where else None for t in out_leaves],
+        out_spec,
     )
+
+
+def _detached(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+def _probed(run: Graft, model: Any, values: list[Any], seed: int) -> Graft:
+    """``run`` again with an alias after each node found handing back a value an earlier node
+    holds (``nn.Identity``, dropout in eval mode, ``getitem`` of a tuple) and a copy for the
+    readers of a value written in place where the graph cannot see it: one run without
+    gradients finds them, and changes nothing (buffers and the random state are restored)."""
+    with torch.no_grad(), preserved(model), TRACING_LOCK:
+        shared, written = run.probe(values)
+    if not shared and not written:
+        return run
+    return graft(run.plan, seed=seed, collect=True, aliased=frozenset(shared), written=frozenset(written))
+
+
+def run_checked(run: Graft, model: Any, values: list[Any]) -> tuple[Any, Any, Any]:
+    """``run(values)``; where it fails, the node that fails is found (by a run without
+    gradients, which changes nothing) and named in the error."""
+    try:
+        return run(values)
+    except Exception as err:
+        with torch.no_grad(), preserved(model):
+            run.probe(values)  # raises the error naming the node, where a node fails
+        raise err
 
 
 def _preset(rule: Any) -> Preset:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import FxnxValueError
 from .record import NodeCall
 from .rules import DirectFeedbackAlignment, FeedbackAlignment, Rule, SignSymmetry
 from .transport import CONTAINERS
@@ -63,6 +64,7 @@ class Preset(Mapping[Any, Rule]):
     """
 
     def __init__(self, name: str, table: Mapping[Any, Rule]) -> None:
+        check_kinds(table, f"preset {name!r}")
         self.name = name
         self._table: Mapping[Any, Rule] = MappingProxyType(dict(table))
 
@@ -95,6 +97,24 @@ class Preset(Mapping[Any, Rule]):
 
 def _name(table: Mapping[Any, Rule]) -> str:
     return table.name if isinstance(table, Preset) else "custom"
+
+
+def check_kinds(table: Mapping[Any, Any], where: str) -> None:
+    """Refuse keys that are not node kinds (a module class, a function, ``method("name")``),
+    which no node would ever match."""
+    for kind in table:
+        if isinstance(kind, type) or (isinstance(kind, tuple) and len(kind) == 2 and kind[0] == "call_method"):
+            continue
+        if callable(kind) and not isinstance(kind, str):
+            continue
+        hint = (
+            f"; to route the node named {kind!r}, pass rules={{{kind!r}: ...}}"
+            if isinstance(kind, str) else ""
+        )
+        raise FxnxValueError(
+            f"{where} has the key {kind!r}, which is not a node kind (a module class such as "
+            f"nn.Linear, a function such as torch.matmul, or fxnx.method('view')){hint}"
+        )
 
 
 def lookup(call: NodeCall, table: Mapping[Any, Rule]) -> Rule | None:

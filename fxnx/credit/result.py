@@ -12,7 +12,7 @@ from torch import Tensor
 from .._compat import pytree
 from .record import Credit
 
-__all__ = ["CreditResult", "credit_norm"]
+__all__ = ["CreditResult", "credit_norm", "credit_norms"]
 
 
 @dataclass
@@ -62,3 +62,8 @@ def credit_norm(credit: Credit) -> float | None:
     if not norms:
         return None
     return float(torch.linalg.vector_norm(torch.stack(norms).double()))
+
+
+def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
+    """:func:`credit_norm` of each node's credit."""
+    return {name: credit_norm(c) for name, c in node_credit.items()}

@@ -22,10 +22,10 @@ from .._state import preserved
 from ..capturing import TRACING_LOCK
 from ..capturing.options import LeafSpec
 from ..capturing.reuse import kept_on
-from .engine import CreditRouter, output_credit_like
+from .engine import CreditRouter, graph_credit, output_credit_like, routed, rules_used, run_checked
 from .presets import PRESETS
-from .result import CreditResult
-from .rules import RoutingState
+from .record import fresh_leaf
+from .result import CreditResult, credit_norms
 
 __all__ = ["route_credit"]
 
@@ -101,24 +101,30 @@ def route_credit(
     True
     """
     router = _router(G, model, rule, rules, seed, feedback, leaf_modules, concrete_args)
+    # Every floating input is a leaf of its own: credit is reported at the inputs too.
+    inputs, kwargs = fresh_leaf((tuple(inputs), dict(kwargs or {})))
     # Buffers are restored only after the backward: eval-mode BatchNorm's backward reads them.
     with TRACING_LOCK, preserved(model):
-        plan, tape = router._record(inputs, kwargs, training=False)
-        credit = tape.graph_credit(output_credit_like(tape.result, output_credit))
-        state = RoutingState(seed=seed, output_credit=credit)
-        norms: dict[str, float | None] = {}
-        node_credit, param_credit, used = plan.backward(tape, credit, state, norms=norms)
-    result = CreditResult(
+        run, values = router.grafted(inputs, kwargs, collect=True)
+        result, output, nodes = run_checked(run, model, values)
+        flat = output_credit_like(result, output_credit)
+        pairs = [(t, g) for t, g in zip(pytree.tree_leaves(result), flat, strict=True)
+                 if isinstance(t, Tensor) and isinstance(g, Tensor) and t.requires_grad]
+        params = {n: p for n, p in run.plan.params.items() if p.requires_grad}
+        node_credit, param_credit = routed(run.names, nodes, [t for t, _ in pairs], [g for _, g in pairs], params)
+    node_credit[run.plan.entries[-1].call.name] = graph_credit(result, output, flat)
+    norms = credit_norms(node_credit)
+    result_ = CreditResult(
         node_credit=node_credit,
         param_credit=param_credit,
-        rules=used,
+        rules=rules_used(run.plan, node_credit),
         rule=router.preset.name,
         feedback=router.feedback,
-        output=pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tape.result),
+        output=pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, result),
     )
-    nx.set_node_attributes(G, {name: norms.get(name) for name in node_credit}, "credit_norm")
-    G.graph["credit_rule"] = result.rule
-    return result
+    nx.set_node_attributes(G, norms, "credit_norm")
+    G.graph["credit_rule"] = result_.rule
+    return result_
 
 
 #: Where route_credit keeps its routers on ``G`` (outside ``G``'s data, like the captures).

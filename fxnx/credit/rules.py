@@ -50,6 +50,7 @@ __all__ = [
     "RoutingState",
     "Rule",
     "SignSymmetry",
+    "Transport",
 ]
 
 #: What a rule returns: credit per input occurrence, and per qualified parameter name.
@@ -137,6 +138,26 @@ class _Seeded(Rule):
         return f"{type(self).__name__}(seed={self.seed!r})"
 
 
+class Transport(Rule):
+    """Weight transport: the layer sends credit back as if each weight ``W`` were ``B``.
+
+    Subclasses implement :meth:`feedback_for`; the input's credit is then that of
+    the layer computed with ``B`` in place of ``W``, and the layer's own
+    parameters get their exact credit. On linear layers and convolutions the
+    router does this inside autograd's own backward (the tensors the layer saves
+    from ``W`` are swapped for the same views of ``B``), elsewhere by calling the
+    rule with the node's recorded call.
+    """
+
+    def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
+        """``B`` for each weight of ``call``'s layer (as :func:`feedback_weights` names them),
+        for one backward pass."""
+        raise NotImplementedError
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        return transported(call, credit, self.feedback_for(call))
+
+
 def _generator(seed: int, key: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
 
@@ -176,7 +197,7 @@ def _given(call: NodeCall, weights: dict[str, Tensor], feedback: Any) -> dict[st
     return {pname: B.detach() for pname, B in given.items()}
 
 
-class FeedbackAlignment(_Seeded):
+class FeedbackAlignment(_Seeded, Transport):
     """Feedback alignment (Lillicrap et al., 2016): a fixed random ``B`` in place of ``W``.
 
     The credit sent to the layer's input is that of the layer with ``B`` as its
@@ -216,14 +237,14 @@ class FeedbackAlignment(_Seeded):
         bound.feedback = _public(bound._weights)
         return bound
 
-    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
-        return transported(call, credit, self._weights)
+    def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
+        return self._weights
 
 
 _VARIANTS = {"uniform": "usf", "batch_random": "brsf", "fixed_random": "frsf"}
 
 
-class SignSymmetry(Rule):
+class SignSymmetry(Transport):
     """Sign symmetry (Liao et al., 2016): ``sign(W) ∘ M`` in place of ``W``.
 
     Parameters
@@ -289,7 +310,7 @@ class SignSymmetry(Rule):
             )
         return bound
 
-    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+    def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
         weights = feedback_weights(call)
         if self.magnitude == "batch_random":
             self._magnitudes = self._pending or {
@@ -297,12 +318,11 @@ class SignSymmetry(Rule):
             }
             self._pending = None
             self.feedback = _public(self._magnitudes)
-        B = {
+        return {
             p: W.detach().sign() if self.magnitude == "uniform"
             else W.detach().sign() * self._magnitudes[p]
             for p, W in weights.items()
         }
-        return transported(call, credit, B)
 
 
 class DirectFeedbackAlignment(_Seeded):
@@ -364,25 +384,27 @@ class DirectFeedbackAlignment(_Seeded):
                     f"{e.shape[0]}; route this node another way, e.g. "
                     f"rules={{{call.name!r}: Exact()}}"
                 )
-            B = self._projection(call, i, e, x)
+            B = self.projection(call, i, e, x.shape, x.dtype)
             inputs[i] = (e.to(B.dtype) @ B.reshape(e.shape[1], -1)).reshape(x.shape).to(x.dtype)
         return inputs, params
 
-    def _projection(self, call: NodeCall, i: int, e: Tensor, x: Tensor) -> Tensor:
-        shape = (e.shape[1], *x.shape[1:])
+    def projection(self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """``B`` for input ``i`` of ``call``'s node, of shape ``(D, *shape[1:])`` for output
+        credit ``e`` of shape ``(N, D)``: drawn on first use, then the same every step."""
+        want = (e.shape[1], *shape[1:])
         while len(self._B) <= i:
             self._B.append(None)
         B = self._B[i]
         if B is None:
             bound = 1.0 / math.sqrt(e.shape[1])
             gen = _generator(self._seed, f"{call.name}.dfa{i}")
-            B = (torch.rand(shape, generator=gen, dtype=x.dtype) * 2 - 1).mul_(bound).to(x.device)
+            B = (torch.rand(want, generator=gen, dtype=dtype) * 2 - 1).mul_(bound).to(e.device)
             self._B[i] = B
             self.feedback = B if len(self._B) == 1 else tuple(self._B)
-        elif tuple(B.shape) != shape:
+        elif tuple(B.shape) != want:
             raise FxnxValueError(
                 f"direct feedback alignment at node {call.name!r}: feedback for input {i} has "
-                f"shape {tuple(B.shape)}, expected {shape} (output features, then the input's "
+                f"shape {tuple(B.shape)}, expected {want} (output features, then the input's "
                 "shape without its batch dimension)"
             )
         return B

@@ -1,0 +1,599 @@
+"""The router's forward: the captured graph, with each node's rule grafted into autograd.
+
+:func:`graft` turns a compiled :class:`~fxnx.credit.plan.Plan` into a
+``GraphModule`` whose forward computes what the model computes and whose
+autograd backward *is* the routing over ``G``. Autograd already sums a node's
+credit over its out-edges and runs nodes in reverse topological order; what is
+left to say is, per node, how its credit goes back to its inputs:
+
+- **exact** nodes are the captured graph's own nodes, untouched: autograd's
+  backward, at autograd's cost.
+- **an edge removed from** ``G`` becomes a ``detach`` of that argument: its
+  value flows forward, no credit flows back.
+- **weight transport** (feedback alignment, sign symmetry) on linear layers and
+  convolutions runs the layer as it is, but while it runs every tensor that the
+  layer's backward saves from its weight ``W`` is swapped for the same view of
+  the feedback weight ``B`` (a ``saved_tensors_hooks`` pair). Autograd's own
+  backward then sends ``credit·B`` to the input and the exact credit to ``W``
+  and the bias, with no Python in the backward pass.
+- **direct feedback alignment** runs the layer on its inputs detached (its
+  parameters get exact credit), and one autograd function at the model's output
+  sends each such input ``e·B``, ``e`` the credit at the output.
+- **any other rule** (a user's rule, attention, a layer without a transport of
+  its own, anything under autocast) runs its node inside an
+  :class:`autograd.Function <torch.autograd.Function>` whose backward calls the
+  rule with the node's :class:`~fxnx.credit.record.NodeCall`, and checks what it
+  returns against the node's inputs and parameters.
+
+With ``collect=True`` the module also returns every node's value, for
+:func:`~fxnx.route_credit` to ask autograd for the credit at each; nodes that
+write in place run out of place and nodes that hand an input back unchanged
+(``nn.Identity``, dropout in eval mode) get a value of their own, so each
+node's credit is its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._callinfo import fetch_attr
+from .._compat import pytree, version
+from ..capturing.shapes import node_failure
+from ..errors import FxnxTypeError, FxnxValueError
+from .plan import Entry, Plan
+from .record import Credit, NodeCall, call_target, fresh_leaf, run_node, written_input
+from .rules import DirectFeedbackAlignment, Exact, RoutingState, Transport
+from .transport import feedback_weights
+
+__all__ = ["Graft", "graft"]
+
+_aten = torch.ops.aten
+
+#: Node kinds whose backward reads their weight only to send credit to their other inputs,
+#: so that swapping the saved weight for ``B`` is exactly weight transport.
+_NATIVE_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_NATIVE_FUNCTIONS = frozenset({
+    F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d, torch.addmm, torch.mm, torch.matmul, operator.matmul,
+    _aten.linear.default, _aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default,
+    _aten.conv1d.padding, _aten.conv2d.padding, _aten.conv3d.padding,
+    _aten.convolution.default, _aten.conv_transpose1d.default, _aten.conv_transpose2d.input,
+    _aten.conv_transpose3d.input, _aten.addmm.default, _aten.mm.default, _aten.matmul.default,
+})
+
+
+@dataclasses.dataclass
+class Graft:
+    """The router's forward over one plan; call it with one value per placeholder."""
+
+    gm: fx.GraphModule
+    plan: Plan
+    collect: bool
+    names: list[str]  # collect: the node whose value is at each place of the second result
+    starred: list[str]  # each placeholder's kind: "" plain, "*" rest of the inputs, "**" keywords
+    origin: dict[str, fx.Node]  # a node of gm to the captured node it computes
+
+    def __call__(self, inputs: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """Run the graph: (the model's result, the graph's output, node values or None)."""
+        out = self.gm(*self.placeholders(inputs))
+        if self.plan.counters:
+            with torch.no_grad():
+                for counter in self.plan.counters:
+                    counter.add_(1)
+        output, nodes = out if self.collect else (out, None)
+        return self.plan.gm.graph.process_outputs(output), output, nodes
+
+    def placeholders(self, inputs: Sequence[Any]) -> list[Any]:
+        """One value per placeholder of ``gm``, from the capture's placeholder values."""
+        values, feed = [], iter(inputs)
+        for kind, node in zip(self.starred, self.gm.graph.find_nodes(op="placeholder"), strict=True):
+            if kind == "*":
+                values.append(tuple(feed))
+            elif kind == "**":
+                values.append({})
+            else:
+                values.append(next(feed, node.args[0] if node.args else None))
+        return values
+
+    def probe(self, inputs: Sequence[Any]) -> tuple[set[str], set[str]]:
+        """Run ``gm`` node by node (under ``torch.no_grad()``, by the caller) and return the
+        nodes whose value another node also holds, and the nodes whose value a later node
+        writes into in place. A node that fails raises an error naming it."""
+        versions: dict[str, list[tuple[Tensor, int]]] = {}
+        graft = self
+
+        class Probe(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                try:
+                    value = super().run_node(n)
+                except Exception as err:
+                    captured = graft.origin.get(n.name)
+                    if captured is None:
+                        raise
+                    args, kwargs = self.fetch_args_kwargs_from_env(n)
+                    raise node_failure("the credit run's forward pass", captured, args, kwargs, err) from err
+                if n.name in graft.origin and n.op != "output":
+                    tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor)]
+                    versions[graft.origin[n.name].name] = [(t, version(t)) for t in tensors]
+                return value
+
+        Probe(self.gm).run(*self.placeholders(inputs))
+        seen: set[int] = set()
+        shared, written = set(), set()
+        for name in self.names:
+            kept = versions.get(name, [])
+            if any(id(t) in seen for t, _ in kept):
+                shared.add(name)
+            seen.update(id(t) for t, _ in kept)
+            if any(version(t) != v for t, v in kept):
+                written.add(name)
+        return shared, written
+
+
+def tier(entry: Entry) -> str:
+    """How a node's rule enters autograd: "exact", "native", "direct" or "function"."""
+    rule = entry.rule
+    if rule is None or type(rule).__call__ is Exact.__call__:
+        return "exact"
+    if isinstance(rule, Transport) and type(rule).__call__ is Transport.__call__ and _native(entry.call):
+        return "native"
+    if type(rule).__call__ is DirectFeedbackAlignment.__call__:
+        return "direct"
+    return "function"
+
+
+def _native(call: NodeCall) -> bool:
+    if call.module is not None:
+        return type(call.module) in _NATIVE_MODULES
+    try:
+        return call.op == "call_function" and call.target in _NATIVE_FUNCTIONS
+    except TypeError:  # an unhashable callable
+        return False
+
+
+def graft(
+    plan: Plan, *, seed: int, collect: bool = False, aliased: frozenset[str] = frozenset(),
+    written: frozenset[str] = frozenset(),
+) -> Graft:
+    """The router's forward over ``plan`` (see the module's docstring).
+
+    With ``collect``, ``aliased`` names nodes whose value gets an alias of its own (nodes
+    found handing back a value another node also holds), ``written`` nodes whose readers get
+    a copy (a later node writes into it in place, where the graph cannot see it).
+    """
+    gm = plan.gm
+    graph = fx.Graph()
+    root: dict[str, Any] = {}
+    env: dict[fx.Node, fx.Node] = {}
+    state: fx.Node | None = None
+    taps: list[tuple[Entry, int, fx.Node]] = []  # direct feedback: (entry, occurrence, value)
+    starred, names, collected = [], [], []
+    origin: dict[str, fx.Node] = {}
+
+    def constant(prefix: str, value: Any) -> fx.Node:
+        name = f"_fxnx_{prefix}{len(root)}"
+        root[name] = value
+        return graph.get_attr(name)
+
+    def routing_state() -> fx.Node:
+        nonlocal state
+        if state is None:
+            with graph.inserting_after(last_placeholder):
+                state = graph.call_function(RoutingState, (), {"seed": seed})
+        return state
+
+    last_placeholder: fx.Node | None = None
+    for entry in plan.entries:
+        node = entry.node
+        if node.op == "placeholder":
+            target = str(node.target)
+            starred.append("**" if target.startswith("**") else "*" if target.startswith("*") else "")
+            env[node] = last_placeholder = graph.placeholder(f"input_{len(starred)}")
+            origin[env[node].name] = node
+            names.append(node.name)
+            collected.append(env[node])
+            continue
+        if node.op == "get_attr":
+            root[node.target] = fetch_attr(gm, node.target)  # type: ignore[arg-type]
+            env[node] = graph.get_attr(node.target)  # type: ignore[arg-type]
+            if collect and entry.param is not None:  # its own credit, apart from other readers
+                env[node] = graph.call_function(_alias, (env[node],))
+            origin[env[node].name] = node
+            names.append(node.name)
+            collected.append(env[node])
+            continue
+        kind = tier(entry)
+        cut = set(entry.cut)
+        if kind == "direct":
+            cut |= _projected(entry)
+        occ = _occurrence_values(node, env)
+        for k in sorted(set(cut) - entry.cut):
+            taps.append((entry, k, occ[k]))
+        args, kwargs = _rewired(node, env, cut, graph)
+        if node.op == "output":
+            out = args[0]
+            if taps or any(tier(e) == "function" for e in plan.entries):
+                out = graph.call_function(
+                    _tap, (constant("tap", taps_spec(taps)), routing_state(), out, *(v for *_, v in taps))
+                )
+            graph.output((out, tuple(collected)) if collect else out)
+            continue
+        if node.op == "call_module":
+            root[node.target] = gm.get_submodule(node.target)  # type: ignore[arg-type]
+        writes = written_input(node) is not None
+        if kind == "native":
+            value = graph.call_function(
+                _native_call, (constant("native", _NativeSpec.of(entry)), *args), kwargs
+            )
+        elif kind == "function":
+            spec = constant("rule", _FunctionSpec.of(entry))
+            value = graph.call_function(_function_call, (spec, routing_state(), *_occurrence_values(node, env, cut, graph)))
+        elif writes and (collect or cut):
+            # Out of place: the credit of a written value is its own (collect), and a cut
+            # input must not be written through its detached alias.
+            value = graph.call_function(_out_of_place, (constant("node", entry), *_occurrence_values(node, env, cut, graph)))
+        else:
+            value = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+        origin[value.name] = node
+        if collect and node.name in aliased:
+            value = graph.call_function(_alias, (value,))
+        names.append(node.name)
+        collected.append(value)
+        env[node] = graph.call_function(_copy, (value,)) if collect and node.name in written else value
+    module = fx.GraphModule(root, graph, class_name="Routed")
+    return Graft(module, plan, collect, names, starred, origin)
+
+
+def _projected(entry: Entry) -> set[int]:
+    """Direct feedback: the occurrences that get a projection of the output credit (every
+    input but the node's parameters)."""
+    return {k for k in range(len(entry.call.sources)) if k not in entry.call.param_inputs}
+
+
+def _occurrence_values(
+    node: fx.Node, env: dict[fx.Node, fx.Node], cut: set[int] | None = None, graph: fx.Graph | None = None
+) -> list[fx.Node]:
+    """The graph value of each input occurrence of ``node``, in ``occurrences`` order (cut
+    ones detached, when ``cut`` is given)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(env[n]) or n)  # type: ignore[func-returns-value]
+    if cut and graph is not None:
+        found = [graph.call_function(_detach, (v,)) if k in cut else v for k, v in enumerate(found)]
+    return found
+
+
+def _rewired(node: fx.Node, env: dict[fx.Node, fx.Node], cut: set[int], graph: fx.Graph) -> tuple[Any, Any]:
+    """``node``'s arguments in the new graph, occurrences in ``cut`` detached."""
+    count = iter(range(1 << 30))
+
+    def one(n: fx.Node) -> fx.Node:
+        value = env[n]
+        return graph.call_function(_detach, (value,)) if next(count) in cut else value
+
+    return fx.node.map_arg(node.args, one), fx.node.map_arg(node.kwargs, one)
+
+
+def _detach(value: Any) -> Any:
+    """An edge removed from G: the value flows on, no credit flows back."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+def _copy(value: Any) -> Any:
+    """A copy for a node's readers, which write into it in place."""
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
+
+
+def _alias(value: Any) -> Any:
+    """A value of its own with the same contents, so credit at it is credit at this node."""
+    return pytree.tree_map(lambda t: t.view_as(t) if isinstance(t, Tensor) else t, value)
+
+
+def _rebuilt(entry: Entry, values: Sequence[Any]) -> tuple[Any, Any]:
+    """``entry``'s node arguments with ``values`` in the places of its input occurrences."""
+    feed = iter(values)
+    node = entry.node
+    return (
+        fx.node.map_arg(node.args, lambda _: next(feed)),
+        fx.node.map_arg(node.kwargs, lambda _: next(feed)),
+    )
+
+
+def _out_of_place(entry: Entry, *values: Any) -> Any:
+    args, kwargs = _rebuilt(entry, values)
+    return run_node(entry.node, entry.call.module, args, kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight transport, natively: B swapped in for W in what the layer's backward saves.
+
+
+@dataclasses.dataclass
+class _NativeSpec:
+    entry: Entry
+    weights: dict[str, Tensor]  # parameter name to W
+
+    @classmethod
+    def of(cls, entry: Entry) -> _NativeSpec:
+        return cls(entry, feedback_weights(entry.call))
+
+
+class _Swap:
+    """A saved_tensors_hooks pack function: views of each ``W`` become the same views of its
+    ``B`` (the unpack function is ``operator.itemgetter(0)``)."""
+
+    __slots__ = ("spans", "hits")
+
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        self.spans = []
+        for W, B in pairs:
+            if B.stride() != W.stride() or B.dtype != W.dtype or B.device != W.device:
+                B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device).copy_(B)
+            start = W.data_ptr()
+            self.spans.append((start, start + W.numel() * W.element_size(), W, B))
+        self.hits = 0
+
+    def __call__(self, t: Tensor) -> tuple[Tensor]:
+        ptr = t.data_ptr()
+        for start, end, W, B in self.spans:
+            if start <= ptr < end and t.dtype == W.dtype:
+                self.hits += 1
+                offset = t.storage_offset() - W.storage_offset() + B.storage_offset()
+                return (B.as_strided(t.size(), t.stride(), offset),)
+        return (t,)
+
+
+_FIRST = operator.itemgetter(0)
+
+
+def _native_call(spec: _NativeSpec, *args: Any, **kwargs: Any) -> Any:
+    entry = spec.entry
+    call = entry.call
+    if not torch.is_grad_enabled():  # nothing is saved: the layer as it is
+        return call_target(call.op, call.target, call.module, args, kwargs)
+    if any(torch.is_autocast_enabled(W.device.type) for W in spec.weights.values()):
+        # The layer would save a cast copy of W, not W: route it through its rule instead.
+        return _function_call(_FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
+    B = entry.rule.feedback_for(call)
+    swap = _Swap([(W, B[name].detach()) for name, W in spec.weights.items()])
+    with torch.autograd.graph.saved_tensors_hooks(swap, _FIRST):
+        out = call_target(call.op, call.target, call.module, args, kwargs)
+    if not swap.hits and torch.is_grad_enabled() and _needs_input_credit(args, kwargs, spec.weights):
+        raise FxnxValueError(
+            f"node {call.name!r}: its backward did not read its weight where feedback weights "
+            f"were to replace it, so {entry.rule_name} cannot be applied natively; route it "
+            f"with rules={{{call.name!r}: fxnx.Exact()}} or report this model"
+        )
+    return out
+
+
+def _inputs_of(entry: Entry, args: Any, kwargs: Any) -> list[Any]:
+    """The values of ``entry``'s input occurrences among concrete ``args``/``kwargs``."""
+    found: list[Any] = []
+
+    def walk(template: Any, value: Any) -> None:
+        if isinstance(template, fx.Node):
+            found.append(value)
+        elif isinstance(template, (list, tuple)):
+            for t, v in zip(template, value, strict=True):
+                walk(t, v)
+        elif isinstance(template, dict):
+            for key, t in template.items():
+                walk(t, value[key])
+        elif isinstance(template, slice):
+            for part in ("start", "stop", "step"):
+                walk(getattr(template, part), getattr(value, part))
+
+    walk((tuple(entry.node.args), dict(entry.node.kwargs)), (tuple(args), dict(kwargs)))
+    return found
+
+
+def _needs_input_credit(args: Any, kwargs: Any, weights: dict[str, Tensor]) -> bool:
+    ids = {id(W) for W in weights.values()}
+    return any(
+        isinstance(t, Tensor) and t.requires_grad and id(t) not in ids
+        for t in pytree.tree_leaves((args, kwargs))
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Any rule: the node inside an autograd.Function whose backward is the rule.
+
+
+@dataclasses.dataclass
+class _FunctionSpec:
+    entry: Entry
+    params: list[tuple[str, Tensor]]
+
+    @classmethod
+    def of(cls, entry: Entry) -> _FunctionSpec:
+        return cls(entry, list(entry.call.params.items()))
+
+
+def _function_call(spec: _FunctionSpec, state: RoutingState, *values: Any) -> Any:
+    flat: list[Tensor] = []
+    for value in values:
+        flat.extend(t for t in pytree.tree_leaves(value) if isinstance(t, Tensor))
+    holder: list[Any] = []  # the output's structure, filled in by the forward
+    outs = _RuleNode.apply(spec, state, values, holder, *flat, *(p for _, p in spec.params))
+    feed = iter(outs if isinstance(outs, tuple) else (outs,))
+    leaves, tree = holder
+    return pytree.tree_unflatten([next(feed) if isinstance(v, Tensor) else v for v in leaves], tree)
+
+
+class _RuleNode(torch.autograd.Function):
+    """One node run on leaves of its own (its own small autograd graph), whose backward is
+    its rule: ``rule(call, credit, state) -> (input credits, parameter credits)``."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: _FunctionSpec, state: RoutingState, values: tuple[Any, ...], holder: list[Any], *flat: Tensor) -> Any:  # type: ignore[override]
+        entry = spec.entry
+        leaves = [fresh_leaf(v) if _wants(v) else _detach(v) for v in values]
+        args, kwargs = _rebuilt(entry, leaves)
+        out = run_node(entry.node, entry.call.module, args, kwargs)
+        skeleton = entry.call
+        ctx.call = dataclasses.replace(
+            skeleton, inputs=leaves, output=out, args=args, kwargs=kwargs,
+            wanted=[_wants(v) for v in values],
+        )
+        ctx.spec, ctx.state, ctx.values = spec, state, values
+        ctx.set_materialize_grads(False)
+        leaves_out, tree = pytree.tree_flatten(out)
+        tensors = [t.detach() for t in leaves_out if isinstance(t, Tensor)]
+        ctx.mark_non_differentiable(*(t for t in tensors if not (t.is_floating_point() or t.is_complex())))
+        ctx.tree = tree
+        holder.extend((leaves_out, tree))
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        spec, call = ctx.spec, ctx.call
+        feed = iter(grads)
+        leaves_out = pytree.tree_flatten(call.output)[0]
+        credit = pytree.tree_unflatten(
+            [next(feed) if isinstance(t, Tensor) else None for t in leaves_out], ctx.tree
+        )
+        n_flat = sum(isinstance(t, Tensor) for v in ctx.values for t in pytree.tree_leaves(v))
+        none = (None, None, None, None, *([None] * (n_flat + len(spec.params))))
+        if all(g is None for g in pytree.tree_leaves(credit)):
+            return none
+        with torch.enable_grad():  # a rule may differentiate its node's own small graph
+            routed = spec.entry.rule(call, credit, ctx.state)
+        inputs, params = checked(call, routed, spec.entry.rule_name)
+        out: list[Tensor | None] = [None, None, None, None]
+        for value, c in zip(ctx.values, inputs, strict=True):
+            tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor)]
+            got = [g for g, t in zip(pytree.tree_leaves(c), pytree.tree_leaves(value), strict=False) if isinstance(t, Tensor)] if c is not None else []
+            out.extend(got if got else [None] * len(tensors))
+        out.extend(params.get(name) for name, _ in spec.params)
+        ctx.call = None  # free the node's graph once routed
+        return tuple(out)
+
+
+def _wants(value: Any) -> bool:
+    return any(isinstance(t, Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
+
+
+def checked(call: NodeCall, routed: Any, name: str) -> tuple[list[Credit], dict[str, Tensor]]:
+    """What a rule returned, checked against its node: one credit per input occurrence, each
+    like that input (its shape; floating dtypes cast to the input's, as autograd casts), and
+    credit only for the node's own parameters, each of its parameter's shape."""
+    where = f"rule {name!r} at node {call.name!r}"
+    if not (isinstance(routed, (tuple, list)) and len(routed) == 2 and isinstance(routed[0], (list, tuple))
+            and isinstance(routed[1], dict)):
+        raise FxnxTypeError(
+            f"{where} returned {type(routed).__qualname__} {routed!r:.60}; a rule returns "
+            "(input_credits, param_credits): a list with one credit (or None) per input "
+            "occurrence of call.inputs, and a dict of parameter name to credit"
+        )
+    inputs, params = routed
+    if len(inputs) != len(call.inputs):
+        raise FxnxValueError(
+            f"{where} returned {len(inputs)} input credits; the node has {len(call.inputs)} "
+            f"input occurrences ({', '.join(map(repr, call.labels))}): give None where no credit flows"
+        )
+    fixed: list[Credit] = []
+    for k, (c, x) in enumerate(zip(inputs, call.inputs, strict=True)):
+        if c is None or not call.wanted[k]:
+            fixed.append(None)
+            continue
+        arg = f"input {call.labels[k]!r} (from {call.sources[k]!r})"
+        c_leaves, c_spec = pytree.tree_flatten(c)
+        x_leaves, x_spec = pytree.tree_flatten(x)
+        if len(c_leaves) != len(x_leaves):
+            raise FxnxValueError(f"{where}: credit for {arg} has structure {c_spec}, the input {x_spec}")
+        fixed.append(pytree.tree_unflatten(
+            [_like(g, t, f"{where}: credit for {arg}") for g, t in zip(c_leaves, x_leaves, strict=True)], x_spec
+        ))
+    own = call.params
+    for pname in params:
+        if pname not in own:
+            raise FxnxValueError(
+                f"{where} returned credit for parameter {pname!r}, which is not the node's own "
+                f"(its parameters: {sorted(own) or 'none'}; parameters passed as arguments get "
+                "their credit as input credits)"
+            )
+    return fixed, {p: _like(g, own[p], f"{where}: credit for parameter {p!r}") for p, g in params.items() if g is not None}
+
+
+def _like(g: Any, x: Any, what: str) -> Tensor | None:
+    if g is None or not isinstance(x, Tensor) or not x.requires_grad:
+        return None
+    if not isinstance(g, Tensor):
+        raise FxnxTypeError(f"{what} is {type(g).__qualname__} {g!r:.40}, expected a tensor of shape {tuple(x.shape)}")
+    if g.shape != x.shape:
+        raise FxnxValueError(f"{what} has shape {tuple(g.shape)}, expected {tuple(x.shape)}")
+    if g.dtype != x.dtype:
+        if not (g.is_floating_point() and x.is_floating_point()):
+            raise FxnxTypeError(f"{what} has dtype {g.dtype}, expected {x.dtype}")
+        g = g.to(x.dtype)
+    if g.device != x.device:
+        raise FxnxValueError(f"{what} is on {g.device}, expected {x.device}")
+    return g
+
+
+# ----------------------------------------------------------------------------------------------
+# The output tap: the credit at the model's output, for direct feedback and for every rule's
+# state; it sends each projected input of a direct-feedback node e·B.
+
+
+def taps_spec(taps: list[tuple[Entry, int, fx.Node]]) -> list[tuple[Entry, int]]:
+    return [(entry, k) for entry, k, _ in taps]
+
+
+def _tap(spec: list[tuple[Entry, int]], state: RoutingState, out: Any, *projected: Any) -> Any:
+    leaves, tree = pytree.tree_flatten(out)
+    slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())]
+    if not slots:
+        return out
+    tapped = _Tap.apply(spec, state, (leaves, tree, slots), *(leaves[i] for i in slots), *projected)
+    for i, t in zip(slots, tapped if isinstance(tapped, tuple) else (tapped,), strict=True):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, tree)
+
+
+class _Tap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, spec: list[tuple[Entry, int]], state: RoutingState, where: Any, *tensors: Any) -> Any:  # type: ignore[override]
+        leaves, tree, slots = where
+        outs, projected = tensors[:len(slots)], tensors[len(slots):]
+        batch = {t.shape[0] if t.dim() else None for t in outs}
+        for (entry, k), x in zip(spec, projected, strict=True):
+            if isinstance(x, Tensor) and x.requires_grad and (x.dim() == 0 or batch != {x.shape[0]}):
+                raise FxnxValueError(
+                    f"direct feedback alignment at node {entry.call.name!r}: its input {k} has "
+                    f"shape {tuple(x.shape)}, whose first dimension is not the output's batch size "
+                    f"({', '.join(map(str, sorted(b for b in batch if b is not None))) or 'none'}); "
+                    f"route this node another way, e.g. rules={{{entry.call.name!r}: Exact()}}"
+                )
+        ctx.spec, ctx.state, ctx.where = spec, state, (leaves, tree, slots)
+        ctx.shapes = [x.shape if isinstance(x, Tensor) else None for x in projected]
+        ctx.dtypes = [x.dtype if isinstance(x, Tensor) else None for x in projected]
+        return outs if len(outs) != 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        leaves, tree, slots = ctx.where
+        credit: list[Any] = [None] * len(leaves)
+        for i, g in zip(slots, grads, strict=True):
+            credit[i] = g
+        ctx.state.output_credit = pytree.tree_unflatten(credit, tree)
+        sent: list[Tensor | None] = []
+        if ctx.spec:
+            e = torch.cat([g.reshape(g.shape[0], -1) for g in grads], 1)
+            for (entry, k), shape, dtype, needed in zip(ctx.spec, ctx.shapes, ctx.dtypes, ctx.needs_input_grad[3 + len(slots):], strict=True):
+                if not needed:
+                    sent.append(None)
+                    continue
+                B = entry.rule.projection(entry.call, k, e, shape, dtype)
+                sent.append((e.to(B.dtype) @ B.reshape(e.shape[1], -1)).reshape(shape).to(dtype))
+        return (None, None, None, *grads, *sent)

@@ -1,0 +1,342 @@
+"""CreditRouter inside autograd: PyTorch's training semantics through loss.backward().
+
+Oracles: autograd on the model itself (bit for bit where promised), feedback alignment written
+out by hand on a small MLP, and routing's linearity in the credit (a loss over several
+outputs gives the sum of each output's routed credit).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fxnx
+
+f64 = torch.float64
+PRESETS = ["exact", "feedback_alignment", "usf", "brsf", "frsf", "direct_feedback_alignment"]
+
+
+def _mlp(*sizes, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(nn.Tanh())
+    return nn.Sequential(*layers).double()
+
+
+class _Net(nn.Module):
+    """Conv, train-mode BatchNorm, in-place ReLU, a skip connection, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.act(self.bn(self.conv(x)))
+        h = self.act(self.bn2(self.conv2(h)) + h)
+        return self.head(h.mean((2, 3)))
+
+
+def _decay(model):
+    return 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
+
+
+def _grads(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_router_is_a_module_sharing_the_models_parameters():
+    model = _Net().double()
+    router = fxnx.CreditRouter(fxnx.convert(model, torch.randn(2, 3, 8, 8, dtype=f64)), model)
+    assert isinstance(router, nn.Module)
+    assert [id(p) for p in router.parameters()] == [id(p) for p in model.parameters()]
+    assert [id(b) for b in router.buffers()] == [id(b) for b in model.buffers()]
+
+
+def test_exact_loss_backward_is_autograd_bit_for_bit_with_decay_two_forwards_and_frozen():
+    torch.manual_seed(0)
+    ours = _Net().double().train()
+    ours.conv.weight.requires_grad_(False)
+    theirs = copy.deepcopy(ours)
+    gen = torch.Generator().manual_seed(1)
+    x1, x2 = (torch.randn(4, 3, 8, 8, generator=gen, dtype=f64) for _ in range(2))
+    y = torch.randint(0, 3, (4,), generator=gen)
+    router = fxnx.CreditRouter(fxnx.convert(ours, x1), ours)
+    for model, forward in ((ours, router), (theirs, theirs)):
+        model.head.weight.grad = torch.ones_like(model.head.weight)  # accumulated into
+        for _ in range(2):  # two backward calls add up
+            loss = F.cross_entropy(forward(x1), y) + (forward(x2) ** 2).mean() + _decay(model)
+            loss.backward()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+    assert ours.conv.weight.grad is None
+    for (name, b), c in zip(ours.named_buffers(), theirs.buffers(), strict=True):
+        assert torch.equal(b, c), name
+
+
+def test_feedback_alignment_by_hand_with_two_forwards_and_weight_decay():
+    model = _mlp(5, 7, 3)
+    x1, x2 = torch.randn(4, 5, dtype=f64), torch.randn(6, 5, dtype=f64)
+    e1, e2 = torch.randn(4, 3, dtype=f64), torch.randn(6, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x1), model, rule="feedback_alignment", seed=3)
+    loss = (router(x1) * e1).sum() + (router(x2) * e2).sum() + _decay(model)
+    loss.backward()
+    B2 = router.feedback["_2"]
+    W1, b1 = model[0].weight.detach(), model[0].bias.detach()
+    want = {n: 2e-2 * p.detach() for n, p in model.named_parameters()}
+    for x, e in ((x1, e1), (x2, e2)):  # written out by hand, each forward on its own
+        a = torch.tanh(x @ W1.T + b1)
+        d_h = (e @ B2) * (1 - a**2)  # B2 in place of W2
+        want["2.weight"] = want["2.weight"] + e.T @ a
+        want["2.bias"] = want["2.bias"] + e.sum(0)
+        want["0.weight"] = want["0.weight"] + d_h.T @ x
+        want["0.bias"] = want["0.bias"] + d_h.sum(0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "brsf"])
+def test_routing_is_linear_in_the_credit_for_every_preset(preset):
+    """A loss over two forwards gives the sum of each forward's routed credit (route_credit
+    with the router's feedback weights), plus the exact gradient of a term on the parameters."""
+    torch.manual_seed(0)
+    model = _Net().double().eval()
+    gen = torch.Generator().manual_seed(2)
+    x1, x2 = (torch.randn(3, 3, 8, 8, generator=gen, dtype=f64) for _ in range(2))
+    e1, e2 = (torch.randn(3, 3, generator=gen, dtype=f64) for _ in range(2))
+    G = fxnx.convert(model, x1)
+    router = fxnx.CreditRouter(G, model, rule=preset, seed=4)
+    ((router(x1) * e1).sum() + (router(x2) * e2).sum() + _decay(model)).backward()
+    fb = router.feedback
+    parts = [fxnx.route_credit(G, model, x, output_credit=e, rule=preset, seed=4, feedback=fb)
+             for x, e in ((x1, e1), (x2, e2))]
+    assert fb.keys() <= parts[0].feedback.keys()  # route_credit also credits the input
+    for name, p in model.named_parameters():
+        want = parts[0].param_credit[name] + parts[1].param_credit[name] + 2e-2 * p.detach()
+        torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_brsf_draws_once_per_forward_and_its_step_can_be_routed_again():
+    model = _mlp(5, 7, 3)
+    x, e = torch.randn(3, 5, dtype=f64), torch.randn(3, 3, dtype=f64)
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model, rule="brsf")
+    (router(x) * e).sum().backward()
+    again = fxnx.route_credit(G, model, x, output_credit=e, rule="brsf", feedback=router.feedback)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, again.param_credit[name], rtol=1e-12, atol=1e-14)
+    first = router.feedback["_2"]
+    router(x)
+    assert not torch.equal(router.feedback["_2"], first)  # a fresh draw for the next forward
+
+
+def test_an_edge_removed_from_G_carries_no_credit_in_training():
+    torch.manual_seed(0)
+    model = _Net().double().eval()
+    x = torch.randn(2, 3, 8, 8, dtype=f64)
+    G = fxnx.convert(model, x)
+    (skip,) = [(u, v, k) for u, v, k in G.edges(keys=True) if v == "add" and u != "bn2"]
+    G.remove_edge(*skip)
+    router = fxnx.CreditRouter(G, model)
+    out = router(x)
+    assert torch.equal(out, model(x))  # the value still flows forward
+    out.sum().backward()
+    # Oracle: autograd with that branch detached in the backward only.
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    h = ref.act(ref.bn(ref.conv(x)))
+    ref.head(ref.act(ref.bn2(ref.conv2(h)) + h.detach()).mean((2, 3))).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def test_results_are_their_own_tensors():
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    res = router.backward(router(x).sum())
+    kept = {n: g.clone() for n, g in res.param_credit.items()}
+    model.zero_grad(set_to_none=False)  # zeroes .grad in place
+    res2 = router.backward(router(x).sum())
+    for name, g in res.param_credit.items():
+        assert torch.equal(g, kept[name]), name
+        assert g.data_ptr() != dict(model.named_parameters())[name].grad.data_ptr()
+        assert torch.equal(res2.param_credit[name], model.get_parameter(name).grad)
+
+
+def test_threads_each_route_their_own_forward():
+    model = _mlp(5, 7, 3)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(4, 5, generator=gen, dtype=f64) for _ in range(2)]
+    G = fxnx.convert(model, xs[0])
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    router(xs[0])  # feedback drawn before the threads start
+    barrier = threading.Barrier(2)
+    results = [None, None]
+
+    def work(i):
+        out = router(xs[i])
+        barrier.wait()  # both forwards done before either backward
+        results[i] = router.backward((out * (i + 1)).sum())
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i in range(2):
+        want = fxnx.route_credit(G, model, xs[i], rule="feedback_alignment",
+                                 output_credit=torch.full((4, 3), i + 1.0, dtype=f64),
+                                 feedback=router.feedback)
+        for name, g in results[i].param_credit.items():
+            torch.testing.assert_close(g, want.param_credit[name], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("preset", ["exact", "feedback_alignment", "direct_feedback_alignment"])
+def test_checkpointing_needs_nothing_special(preset):
+    from torch.utils.checkpoint import checkpoint
+
+    model = _mlp(5, 7, 6, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=preset)
+    router(x).sum().backward()
+    plain = _grads(model)
+    model.zero_grad()
+    checkpoint(router, x, use_reentrant=False).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[name], rtol=1e-12, atol=1e-15, msg=name)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_autocast_runs_every_preset_and_exact_equals_autograd(preset):
+    torch.manual_seed(0)
+    model = _Net().train()
+    x = torch.randn(4, 3, 8, 8)
+    ref = copy.deepcopy(model)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=preset)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = router(x)
+        loss = out.float().pow(2).mean()
+    assert out.dtype == torch.bfloat16
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    if preset == "exact":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = ref(x).float().pow(2).mean()
+        ref_loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+
+
+def test_feedback_alignment_under_autocast_is_feedback_alignment():
+    """Under autocast a layer saves a cast copy of W: the rule is still applied (through its
+    recorded call), not silently replaced by backprop."""
+    model = _mlp(5, 7, 3).float()
+    x = torch.randn(4, 5)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        router(x).float().sum().backward()
+    fa = model[0].weight.grad.clone()
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    assert (fa - model[0].weight.grad).norm() > 0.1 * fa.norm()
+
+
+# -- rules are checked ------------------------------------------------------------------------
+
+def _bad(result):
+    def rule(call, credit, state):
+        return result(call, credit)
+    return rule
+
+
+@pytest.mark.parametrize(
+    ("result", "error", "match"),
+    [
+        (lambda call, c: None, fxnx.FxnxTypeError, r"returned NoneType .* returns \(input_credits, param_credits\)"),
+        (lambda call, c: ([], {}), fxnx.FxnxValueError, r"returned 0 input credits; the node has 1"),
+        (lambda call, c: ([c[:, :2]], {}), fxnx.FxnxValueError,
+         r"rule 'rule' at node '_1': credit for input 0 \(from '_0'\) has shape \(4, 2\), expected \(4, 7\)"),
+        (lambda call, c: ([1.5], {}), fxnx.FxnxTypeError, r"credit for input 0 .* is float"),
+        (lambda call, c: ([c], {"0.weight": c}), fxnx.FxnxValueError,
+         r"returned credit for parameter '0.weight', which is not the node's own"),
+    ],
+    ids=["none", "too-few", "shape", "float", "other-parameter"],
+)
+def test_a_rules_output_is_checked_against_its_node(result, error, match):
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rules={"_1": _bad(result)})
+    with pytest.raises(error, match=match):
+        router(x).sum().backward()
+
+
+def test_parameter_credit_of_the_wrong_shape_is_refused():
+    def rule(call, credit, state):
+        inputs, params = call.exact(credit)
+        return inputs, {name: g.sum(0) for name, g in params.items()}
+
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rules={"_2": rule})
+    with pytest.raises(fxnx.FxnxValueError, match=r"credit for parameter '2.weight' has shape \(7,\), expected \(3, 7\)"):
+        router(x).sum().backward()
+
+
+def test_preset_keys_must_be_node_kinds():
+    with pytest.raises(fxnx.FxnxValueError, match=r"key '_2', which is not a node kind .* rules=\{'_2': ...\}"):
+        fxnx.PRESETS["feedback_alignment"] | {"_2": fxnx.Exact()}
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    with pytest.raises(fxnx.FxnxValueError, match="not a node kind"):
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rule={3: fxnx.Exact()})
+
+
+def test_a_router_cannot_be_pickled_or_copied_and_says_what_to_do():
+    model = _mlp(5, 7, 3)
+    router = fxnx.CreditRouter(fxnx.convert(model, torch.randn(2, 5, dtype=f64)), model)
+    with pytest.raises(fxnx.FxnxTypeError, match="build a new router"):
+        copy.deepcopy(router)
+
+
+# -- DistributedDataParallel ------------------------------------------------------------------
+
+_DDP = Path(__file__).with_name("ddp_router.py")
+
+
+@pytest.mark.parametrize("preset", ["exact", "feedback_alignment"])
+def test_ddp_gives_each_rank_the_mean_of_the_ranks_routed_credit(preset, tmp_path):
+    with socket.socket() as s:  # a free port on the loopback address
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(_DDP), preset, str(port), str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["checked"] > 0
+        assert got["max_rel_error"] <= 1e-12, got
+        assert got["differs_from_own"], "the all-reduce must change each rank's own credit"
