@@ -39,6 +39,7 @@ __all__ = [
     "pytree",
     "qualified_function_name",
     "schema_signature",
+    "module_bindings",
     "sequence_nr",
     "version",
 ]
@@ -105,6 +106,14 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "make_fx(..., _error_on_data_dependent_ops=False)",
         "make_fx on models whose control flow reads tensor values",
         "make_fx's default: such models fail on that route and the ladder reports it",
+    ),
+    (
+        "torch.nn.Module._modules, _parameters, _buffers",
+        "CreditRouter's check, every call, that no module the capture traced through has a "
+        "submodule, parameter, buffer or attribute bound to another object since (identities, "
+        "compared in C)",
+        "the router checks the model's whole structure every call, as route_credit does "
+        "(slower on small models)",
     ),
     (
         "torch.Tensor._version",
@@ -282,3 +291,16 @@ def mask_helpers() -> list[tuple[Any, str]]:
 def version(tensor: torch.Tensor) -> int:
     """How many times ``tensor``'s data has been written in place (autograd's counter)."""
     return int(getattr(tensor, "_version", 0))
+
+
+def module_bindings(modules: list[torch.nn.Module]) -> list[tuple[int, ...]] | None:
+    """For each module, the identities of what its attributes, submodules, parameters and
+    buffers are bound to; None where this torch keeps them elsewhere."""
+    try:
+        return [
+            (*map(id, vars(m).values()), -1, *map(id, m._modules.values()), -1,
+             *map(id, m._parameters.values()), -1, *map(id, m._buffers.values()))
+            for m in modules
+        ]
+    except AttributeError:  # pragma: no cover
+        return None

@@ -135,9 +135,13 @@ def bind_inputs(
     args: Sequence[Any],
     kwargs: Mapping[str, Any] | None,
     concrete_args: Mapping[str, Any] | None = None,
+    *,
+    copy: bool = True,
 ) -> Inputs | None:
-    """The example inputs bound to ``forward``, every tensor copied (see :func:`capture`)."""
-    return _copied(_bind_inputs(model, args, dict(kwargs or {}), concrete_args or {}))
+    """The example inputs bound to ``forward``, every tensor copied (see :func:`capture`)
+    unless ``copy`` is false (a call that is the model's own forward)."""
+    bound = _bind_inputs(model, args, dict(kwargs or {}), concrete_args or {})
+    return _copied(bound) if copy else bound
 
 
 def placeholder_values(inputs: Inputs | None, gm: fx.GraphModule, level: str) -> list[Any] | None:

@@ -35,7 +35,7 @@ from .ladder import Capture, capture
 from .options import CaptureOptions, LeafSpec, concrete_items, leaf_names
 from .registry import ROUTES
 
-__all__ = ["kept_on", "options_of", "recapture"]
+__all__ = ["inputs_key", "kept_on", "options_of", "placeholders_for", "recapture", "traced_through"]
 
 #: Where on ``G`` (as a Python attribute, not graph data) the captures are kept.
 _SLOT = "_fxnx_captures"
@@ -73,8 +73,8 @@ def recapture(
     if not isinstance(model, nn.Module):
         return capture(model, args, kwargs, propagate=False, **keywords)
     base = (id(model), _options_key(keywords), _structure(model))
-    exact = (*base, _inputs_key(args, kwargs, shapes=True))
-    any_shape = (*base, _inputs_key(args, kwargs, shapes=False))
+    exact = (*base, inputs_key(args, kwargs, shapes=True))
+    any_shape = (*base, inputs_key(args, kwargs, shapes=False))
     kept = kept_on(G, _SLOT)
     cached = kept.get(exact) or kept.get(any_shape)
     if cached is None:
@@ -86,9 +86,26 @@ def recapture(
         while len(kept) > _PER_GRAPH:
             del kept[next(iter(kept))]
         return cap
-    inputs = bind_inputs(model, args, kwargs, dict(options.concrete_args))
-    values = placeholder_values(inputs, cached.gm, cached.level)
-    return dataclasses.replace(cached, model=model, inputs=values)
+    return dataclasses.replace(cached, model=model, inputs=placeholders_for(cached, model, args, kwargs))
+
+
+def placeholders_for(
+    cap: Capture, model: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *, copy: bool = True
+) -> list[Any]:
+    """The values of ``cap``'s placeholders for a call of ``model`` with these inputs (the
+    tensors copied, unless ``copy`` is false)."""
+    inputs = bind_inputs(model, args, kwargs, dict(cap.options.concrete_args), copy=copy)
+    return placeholder_values(inputs, cap.gm, cap.level)
+
+
+def traced_through(gm: torch.fx.GraphModule, model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` whose code a capture ran (and so baked into ``gm``): all but
+    the modules ``gm`` calls as whole modules and what lies inside them."""
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    return [
+        m for path, m in model.named_modules(remove_duplicate=False)
+        if not any(path == c or path.startswith(c + ".") for c in called)
+    ]
 
 
 def options_of(G: nx.MultiDiGraph) -> CaptureOptions:
@@ -163,7 +180,9 @@ def _attributes(module: nn.Module) -> tuple[Any, ...]:
     )
 
 
-def _inputs_key(args: Sequence[Any], kwargs: Mapping[str, Any] | None, shapes: bool) -> Any:
+def inputs_key(args: Sequence[Any], kwargs: Mapping[str, Any] | None, shapes: bool) -> Any:
+    """What a capture depends on in the inputs: their structure, tensors' dtypes, devices and
+    (where the capture is specialised to them) shapes, other values as they are."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     return str(spec), tuple(
         ("tensor", tuple(x.shape) if shapes else x.dim(), x.dtype, x.device.type)

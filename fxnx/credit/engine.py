@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -11,11 +12,12 @@ import networkx as nx
 import torch
 from torch import Tensor, nn
 
-from .._compat import pytree
+from .._compat import module_bindings, pytree
 from .._state import preserved
 from ..capturing import TRACING_LOCK
+from ..capturing.ladder import Capture
 from ..capturing.options import LeafSpec
-from ..capturing.reuse import recapture
+from ..capturing.reuse import inputs_key, placeholders_for, recapture, traced_through
 from ..contract import validate
 from ..errors import FxnxTypeError, FxnxValueError
 from .graft import Graft, graft
@@ -161,6 +163,8 @@ class CreditRouter(nn.Module):
         self._grafts: dict[tuple[int, bool], Graft] = {}
         self._bound: dict[tuple[str, int, int], Any] = {}
         self._plan: Plan | None = None
+        self._fast: dict[bool, tuple[Any, Graft, Capture]] = {}
+        self._watched: dict[int, list[nn.Module]] = {}
         self._last = threading.local()  # this thread's last forward, for backward()
 
     @property
@@ -284,7 +288,19 @@ class CreditRouter(nn.Module):
 
     def grafted(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, collect: bool) -> tuple[Graft, list[Any]]:
         """The router's forward for these inputs (capture and graft reused or made) and the
-        values to call it with."""
+        values to call it with.
+
+        The last capture is reused at once while a cheap guard holds: the inputs' structure,
+        which parameters are trainable, and what every module the capture traced through has
+        its attributes, submodules, parameters and buffers bound to (modules the graph calls
+        run their own code live). Otherwise the model's whole structure is keyed again
+        (:func:`~fxnx.capturing.reuse.recapture`), capturing again where it changed.
+        """
+        fast = self._fast.get(collect)
+        if fast is not None:
+            guard, run, cap = fast
+            if guard == self._guard(cap, inputs, kwargs):
+                return run, placeholders_for(cap, self.model, inputs, kwargs, copy=collect)
         cap = recapture(self.G, self.model, inputs, kwargs, **self._capture)
         key = (id(cap.gm), collect)
         run = self._grafts.get(key)
@@ -300,7 +316,19 @@ class CreditRouter(nn.Module):
                 run = _probed(run, self.model, cap.inputs or [], self.seed)
             self._grafts[key] = run
         self._plan = run.plan
+        if isinstance(self.model, nn.Module):
+            cap_ = dataclasses.replace(cap, model=None, inputs=None)
+            self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
+            self._fast[collect] = (self._guard(cap_, inputs, kwargs), run, cap_)
         return run, cap.inputs or []
+
+    def _guard(self, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Any:
+        watched = self._watched.get(id(cap.gm))
+        bindings = module_bindings(watched) if watched is not None else None
+        if bindings is None:
+            return object()  # never equal: key the whole structure again
+        params = [p.requires_grad for p in self._plan.params.values()] if self._plan else []
+        return (inputs_key(inputs, kwargs, shapes=cap.shape_specialised), params, bindings)
 
     def _choose(self, call: NodeCall) -> tuple[Any, str]:
         """The rule bound to ``call``'s node: the user's by name, by kind, the preset's, exact."""

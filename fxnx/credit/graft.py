@@ -317,38 +317,51 @@ def _out_of_place(entry: Entry, *values: Any) -> Any:
 # Weight transport, natively: B swapped in for W in what the layer's backward saves.
 
 
-@dataclasses.dataclass
 class _NativeSpec:
-    entry: Entry
-    weights: dict[str, Tensor]  # parameter name to W
+    """A weight-transport node run natively: its weights, and a ``saved_tensors_hooks`` pair
+    kept across calls whose pack function swaps each view of a weight ``W`` for the same view
+    of this call's ``B`` (the unpack function is ``operator.itemgetter(0)``, in C)."""
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        self.weights = feedback_weights(entry.call)  # parameter name to W
+        self.device = next(iter(self.weights.values())).device.type
+        self.spans: list[tuple[int, int, Tensor, Tensor, Tensor]] = []  # start, end, W, B, B given
+        self.views: dict[tuple[Any, ...], Tensor] = {}
+        self.hits = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _FIRST)
 
     @classmethod
     def of(cls, entry: Entry) -> _NativeSpec:
-        return cls(entry, feedback_weights(entry.call))
+        return cls(entry)
 
-
-class _Swap:
-    """A saved_tensors_hooks pack function: views of each ``W`` become the same views of its
-    ``B`` (the unpack function is ``operator.itemgetter(0)``)."""
-
-    __slots__ = ("spans", "hits")
-
-    def __init__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        self.spans = []
-        for W, B in pairs:
+    def use(self, feedback: dict[str, Tensor]) -> None:
+        """Take this call's ``B`` for each weight (laid out like ``W``)."""
+        spans = []
+        for (name, W), old in zip(self.weights.items(), self.spans or [None] * len(self.weights), strict=True):
+            given = feedback[name]
+            if old is not None and old[4] is given and old[2].data_ptr() == old[0]:
+                spans.append(old)  # the same B (feedback alignment): its views are kept
+                continue
+            B = given.detach()
             if B.stride() != W.stride() or B.dtype != W.dtype or B.device != W.device:
                 B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device).copy_(B)
             start = W.data_ptr()
-            self.spans.append((start, start + W.numel() * W.element_size(), W, B))
-        self.hits = 0
+            spans.append((start, start + W.numel() * W.element_size(), W, B, given))
+            self.views = {}
+        self.spans = spans
 
-    def __call__(self, t: Tensor) -> tuple[Tensor]:
+    def pack(self, t: Tensor) -> tuple[Tensor]:
         ptr = t.data_ptr()
-        for start, end, W, B in self.spans:
+        for start, end, W, B, _ in self.spans:
             if start <= ptr < end and t.dtype == W.dtype:
                 self.hits += 1
-                offset = t.storage_offset() - W.storage_offset() + B.storage_offset()
-                return (B.as_strided(t.size(), t.stride(), offset),)
+                key = (id(B), ptr, t.size(), t.stride())
+                view = self.views.get(key)
+                if view is None:
+                    offset = t.storage_offset() - W.storage_offset() + B.storage_offset()
+                    view = self.views[key] = B.as_strided(t.size(), t.stride(), offset)
+                return (view,)
         return (t,)
 
 
@@ -360,14 +373,14 @@ def _native_call(spec: _NativeSpec, *args: Any, **kwargs: Any) -> Any:
     call = entry.call
     if not torch.is_grad_enabled():  # nothing is saved: the layer as it is
         return call_target(call.op, call.target, call.module, args, kwargs)
-    if any(torch.is_autocast_enabled(W.device.type) for W in spec.weights.values()):
+    if torch.is_autocast_enabled(spec.device):
         # The layer would save a cast copy of W, not W: route it through its rule instead.
         return _function_call(_FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
-    B = entry.rule.feedback_for(call)
-    swap = _Swap([(W, B[name].detach()) for name, W in spec.weights.items()])
-    with torch.autograd.graph.saved_tensors_hooks(swap, _FIRST):
+    spec.use(entry.rule.feedback_for(call))
+    hits = spec.hits
+    with spec.hooks:
         out = call_target(call.op, call.target, call.module, args, kwargs)
-    if not swap.hits and torch.is_grad_enabled() and _needs_input_credit(args, kwargs, spec.weights):
+    if spec.hits == hits and _needs_input_credit(args, kwargs, spec.weights):
         raise FxnxValueError(
             f"node {call.name!r}: its backward did not read its weight where feedback weights "
             f"were to replace it, so {entry.rule_name} cannot be applied natively; route it "

@@ -169,6 +169,14 @@ def _fresh(shape: torch.Size, like: Tensor, gen: torch.Generator) -> Tensor:
     return B.to(like.device)
 
 
+def _fresh_magnitude(like: Tensor, gen: torch.Generator) -> Tensor:
+    """``|w|`` for ``w`` drawn as :func:`_fresh` draws (uniform in ``±√(1/fan_in)``): uniform
+    in ``[0, √(1/fan_in))``, in one draw and one scaling."""
+    fan_in = like[0].numel() if like.dim() > 1 else like.numel()
+    M = torch.rand(like.shape, generator=gen, dtype=like.dtype)
+    return M.mul_(1.0 / math.sqrt(fan_in)).to(like.device)
+
+
 def _key(call: NodeCall, pname: str) -> str:
     return call.name if pname == "weight" else f"{call.name}.{pname}"
 
@@ -314,7 +322,7 @@ class SignSymmetry(Transport):
         weights = feedback_weights(call)
         if self.magnitude == "batch_random":
             self._magnitudes = self._pending or {
-                p: _fresh(W.shape, W, self._gens[p]).abs() for p, W in weights.items()
+                p: _fresh_magnitude(W, self._gens[p]) for p, W in weights.items()
             }
             self._pending = None
             self.feedback = _public(self._magnitudes)
