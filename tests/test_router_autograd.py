@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_router import _Net  # conv, train-mode BatchNorm, in-place ReLU, a skip, a head
+from test_rules import _mlp
 from torch import nn
 from torch.nn import functional as F
 
@@ -24,34 +26,6 @@ import fxnx
 
 f64 = torch.float64
 PRESETS = ["exact", "feedback_alignment", "usf", "brsf", "frsf", "direct_feedback_alignment"]
-
-
-def _mlp(*sizes, seed=0):
-    torch.manual_seed(seed)
-    layers = []
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:], strict=False)):
-        layers.append(nn.Linear(a, b))
-        if i < len(sizes) - 2:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers).double()
-
-
-class _Net(nn.Module):
-    """Conv, train-mode BatchNorm, in-place ReLU, a skip connection, a linear head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.act = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(4)
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x):
-        h = self.act(self.bn(self.conv(x)))
-        h = self.act(self.bn2(self.conv2(h)) + h)
-        return self.head(h.mean((2, 3)))
 
 
 def _decay(model):
