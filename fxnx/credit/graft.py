@@ -222,7 +222,7 @@ def graft(
             out = args[0]
             if taps or any(tier(e) == "function" for e in plan.entries):
                 out = graph.call_function(
-                    _tap, (constant("tap", taps_spec(taps)), routing_state(), out, *(v for *_, v in taps))
+                    _tap, (constant("tap", [(entry, k) for entry, k, _ in taps]), routing_state(), out, *(v for *_, v in taps))
                 )
             graph.output((out, tuple(collected)) if collect else out)
             continue
@@ -231,7 +231,7 @@ def graft(
         writes = written_input(node) is not None
         if kind == "native":
             value = graph.call_function(
-                _native_call, (constant("native", _NativeSpec.of(entry)), *args), kwargs
+                _native_call, (constant("native", _NativeSpec(entry)), *args), kwargs
             )
         elif kind == "function":
             spec = constant("rule", _FunctionSpec.of(entry))
@@ -330,10 +330,6 @@ class _NativeSpec:
         self.views: dict[tuple[Any, ...], Tensor] = {}
         self.hits = 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _FIRST)
-
-    @classmethod
-    def of(cls, entry: Entry) -> _NativeSpec:
-        return cls(entry)
 
     def use(self, feedback: dict[str, Tensor]) -> None:
         """Take this call's ``B`` for each weight (laid out like ``W``)."""
@@ -557,10 +553,6 @@ def _like(g: Any, x: Any, what: str) -> Tensor | None:
 # ----------------------------------------------------------------------------------------------
 # The output tap: the credit at the model's output, for direct feedback and for every rule's
 # state; it sends each projected input of a direct-feedback node e·B.
-
-
-def taps_spec(taps: list[tuple[Entry, int, fx.Node]]) -> list[tuple[Entry, int]]:
-    return [(entry, k) for entry, k, _ in taps]
 
 
 def _tap(spec: list[tuple[Entry, int]], state: RoutingState, out: Any, *projected: Any) -> Any:

@@ -161,11 +161,6 @@ def fresh_leaf(value: Any) -> Any:
     return pytree.tree_map(one, value)
 
 
-def detached(value: Any) -> Any:
-    """``value`` with its tensors cut from the graph that made them (no credit flows in)."""
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) and t.requires_grad else t, value)
-
-
 def _clone_tensors(value: Any) -> Any:
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
 
