@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     credit.add_argument("model", help="a torchvision model name or package.module:factory")
     _input_options(credit, default=(1, 3, 224, 224))
     credit.add_argument(
-        "--rule", type=argtypes.rule, default="exact", help="a credit rule preset: exact, feedback_alignment, direct_feedback_alignment, usf, brsf, frsf"
+        "--rule", type=argtypes.rule, default="exact", help="a credit rule preset: exact, feedback_alignment, direct_feedback_alignment, usf, brsf, frsf, kolen_pollack, weight_mirror"
     )
     credit.add_argument("--seed", type=int, default=0, help="seed of random feedback weights")
     _draw_options(credit, "credit.png")

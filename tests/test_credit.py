@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import networkx as nx
 import pytest
@@ -371,7 +372,8 @@ def test_sign_symmetry_transports_through_sign_w():
     model = _mlp()
     x = torch.randn(4, 5, dtype=torch.float64)
     res = fxnx.route_credit(fxnx.convert(model, x), model, x, rule="usf")
-    expected = torch.ones(4, 3, dtype=torch.float64) @ model[2].weight.sign()
+    scale = math.sqrt(2 / (7 + 3))  # BioTorch's uSF: sign(W) times W's Xavier standard deviation
+    expected = torch.ones(4, 3, dtype=torch.float64) @ model[2].weight.detach().sign().mul_(scale)
     assert torch.equal(res.node_credit["_1"], expected)
 
 

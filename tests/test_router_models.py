@@ -409,19 +409,32 @@ def test_feedback_alignment_reaches_every_layer_of_a_traced_encoder():
 
 
 @pytest.mark.slow
-def test_dfa_projection_size_on_resnet18_at_64px():
+def test_dfa_feedback_size_on_resnet18():
+    """Spatially shared feedback (the default) is one (classes, C_in, k, k) kernel per
+    convolution, whatever the image size; the dense form is (classes, *input shape)."""
     import torchvision
 
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None, num_classes=10).train()
-    x = torch.randn(2, 3, 64, 64)
-    G = fxnx.convert(model, x)
-    router = fxnx.CreditRouter(G, model, rule="direct_feedback_alignment")
-    router.backward(F.cross_entropy(router(x), torch.randint(0, 10, (2,))))
-    # B at a layer is (output features) x (its input's shape without the batch), from G's shapes;
-    # the stem's input is the image, which needs no credit, so it has none.
-    fb = router.feedback
-    assert "conv1" not in fb
+    def feedback(size, rule):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(weights=None, num_classes=10).train()
+        x = torch.randn(2, 3, size, size)
+        G = fxnx.convert(model, x)
+        router = fxnx.CreditRouter(G, model, rule=rule)
+        router.backward(F.cross_entropy(router(x), torch.randint(0, 10, (2,))))
+        return G, model, router.feedback
+
+    G, model, fb = feedback(64, "direct_feedback_alignment")
+    assert "conv1" not in fb  # the stem's input is the image, which needs no credit
+    convs = {n.replace(".", "_"): m for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and n != "conv1"}
+    assert set(fb) == set(convs) | {"fc"}
+    for name, m in convs.items():
+        assert tuple(fb[name].shape) == (10, m.in_channels, *m.kernel_size), name
+    assert tuple(fb["fc"].shape) == (10, 512)
+    total = sum(B.numel() for B in fb.values())
+    assert total == sum(10 * m.in_channels * m.kernel_size[0] * m.kernel_size[1] for m in convs.values()) + 5120
+    assert sum(B.numel() for B in feedback(32, "direct_feedback_alignment")[2].values()) == total
+    dense = fxnx.DirectFeedbackAlignment(spatial=False)
+    G, _, fb = feedback(64, {nn.Conv2d: dense, nn.Linear: dense})
     for name, B in fb.items():
         (shape,) = [s for *_, s in G.in_edges(name, data="shape")]
         assert tuple(B.shape) == (10, *shape[1:]), name

@@ -50,7 +50,7 @@ def test_feedback_alignment_by_hand():
     once = fxnx.route_credit(fxnx.convert(model, x), model, x, rule="feedback_alignment",
                              output_credit=e, feedback=router.feedback)
     assert torch.allclose(once.node_credit["input_1"], d_h @ B1, rtol=1e-12, atol=1e-15)
-    bound = 1 / math.sqrt(7)  # a fresh nn.Linear(7, 3)'s weight range
+    bound = math.sqrt(6 / (7 + 3))  # Glorot uniform for a (3, 7) weight: BioTorch's default
     assert B2.shape == (3, 7) and float(B2.abs().max()) <= bound
     assert not torch.allclose(B2, model[2].weight)
 
@@ -77,11 +77,11 @@ def test_sign_symmetry_by_hand(variant):
         B = res.node_credit["_1"]  # e = I: row i of the credit is row i of B
         assert torch.equal(B.sign(), model[2].weight.sign())
         magnitude = B.abs()
-        if variant == "usf":
-            assert torch.equal(magnitude, torch.ones(3, 7, dtype=f64))
+        if variant == "usf":  # the Xavier standard deviation of a (3, 7) weight, as BioTorch scales
+            assert torch.allclose(magnitude, torch.full((3, 7), math.sqrt(2 / (7 + 3)), dtype=f64), rtol=1e-15, atol=0)
         else:
             assert torch.equal(magnitude, router.feedback["_2"])
-            assert float(magnitude.max()) <= 1 / math.sqrt(7) and float(magnitude.min()) >= 0
+            assert float(magnitude.max()) <= math.sqrt(6 / (7 + 3)) and float(magnitude.min()) >= 0
         seen.append(magnitude)
         with torch.no_grad():  # the weights change between steps; sign(W) follows them
             model[2].weight.neg_()
@@ -125,7 +125,7 @@ def test_direct_feedback_alignment_by_hand():
     assert torch.allclose(res.param_credit["4.weight"], e.T @ a1, rtol=1e-12, atol=0)
     assert torch.allclose(res.param_credit["2.weight"], (d_a1 * (1 - a1**2)).T @ a0, rtol=1e-12, atol=1e-15)
     assert torch.allclose(res.param_credit["0.weight"], (d_a0 * (1 - a0**2)).T @ x, rtol=1e-12, atol=1e-15)
-    assert all(float(B.abs().max()) <= 1 / math.sqrt(3) for B in (B1, B2))
+    assert float(B1.abs().max()) <= math.sqrt(6 / (3 + 7)) and float(B2.abs().max()) <= math.sqrt(6 / (3 + 6))
 
 
 @pytest.mark.parametrize(("rule", "changes"), [("direct_feedback_alignment", False), ("exact", True)])

@@ -6,6 +6,8 @@ feedback weights the router reports, and autograd."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,7 +47,7 @@ def test_exported_mlp_matches_hand_formulas(rule):
         assert B2.shape == W2.shape and not torch.allclose(B2, W2)
         back = e @ B2
     elif rule == "usf":
-        back = e @ W2.detach().sign()
+        back = e @ (W2.detach().sign() * math.sqrt(2 / sum(W2.shape)))  # Xavier-scaled, as BioTorch
     else:  # DFA: the output credit projected straight to the last layer's input
         B2 = res.feedback["linear_1"]
         assert B2.shape == (2, 5)

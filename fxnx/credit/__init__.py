@@ -2,6 +2,7 @@
 
 from .compare import credit_alignment
 from .engine import CreditRouter
+from .learned import KolenPollack, WeightMirror
 from .presets import PRESETS, Preset, method
 from .record import NodeCall
 from .result import CreditResult, credit_norm
@@ -21,12 +22,14 @@ __all__ = [
     "DirectFeedbackAlignment",
     "Exact",
     "FeedbackAlignment",
+    "KolenPollack",
     "NodeCall",
     "PRESETS",
     "Preset",
     "RoutingState",
     "Rule",
     "SignSymmetry",
+    "WeightMirror",
     "credit_alignment",
     "credit_norm",
     "method",

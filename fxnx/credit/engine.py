@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -25,7 +26,8 @@ from .plan import Plan, compile_plan
 from .presets import PRESETS, Preset, check_kinds, lookup
 from .record import NodeCall
 from .result import CreditResult
-from .rules import Exact, Rule, check_rule, rule_name
+from .rules import Exact, Rule, Transport, check_rule, rule_name
+from .transport import feedback_weights
 
 __all__ = ["CreditRouter"]
 
@@ -64,7 +66,8 @@ class CreditRouter(nn.Module):
     model : nn.Module or callable
     rule : str, Preset or mapping
         A preset name (``"exact"``, ``"feedback_alignment"``, ``"usf"``,
-        ``"brsf"``, ``"frsf"``, ``"direct_feedback_alignment"``; see
+        ``"brsf"``, ``"frsf"``, ``"direct_feedback_alignment"``, ``"kolen_pollack"``,
+        ``"weight_mirror"``; see
         ``fxnx.PRESETS``), a :class:`Preset`, or a mapping of node kinds to
         rules (a preset over exact).
     rules : mapping, optional
@@ -283,8 +286,58 @@ class CreditRouter(nn.Module):
         used = rules_used(run.plan, nodes_got)
         return CreditResult(
             node_credit=nodes_got, param_credit=params_got, rules=used, rule=self.preset.name,
-            feedback=self.feedback, output=_detached(result),
+            feedback=own(self.feedback), output=_detached(result),
         )
+
+    def alignment(self) -> dict[str, dict[str, float]]:
+        """How close each weight-transport node's feedback weights are to its weights.
+
+        For every node whose rule sends credit back through ``B`` in place of ``W``
+        (feedback alignment, sign symmetry, Kolen–Pollack, weight mirrors), the angle
+        between ``B`` and ``W`` in degrees (all of the node's weights as one vector) and
+        the ratio of their norms ``‖B‖ / ‖W‖``: the two measures BioTorch records.
+        Cheap (no forward pass); empty before the first call.
+        """
+        out = {}
+        for entry in self._plan.entries if self._plan else []:
+            rule = entry.rule
+            B = rule.feedback_now(entry.call) if isinstance(rule, Transport) else None
+            if not B:
+                continue
+            W = feedback_weights(entry.call)
+            w = torch.cat([W[p].detach().reshape(-1).double() for p in B])
+            b = torch.cat([B[p].detach().reshape(-1).double() for p in B])
+            cosine = float(w @ b) / max(float(w.norm() * b.norm()), 1e-300)
+            out[entry.call.name] = {
+                "angle": math.degrees(math.acos(max(-1.0, min(1.0, cosine)))),
+                "norm_ratio": float(b.norm() / w.norm()),
+            }
+        return out
+
+    def update_feedback(self, lr: float | None = None, weight_decay: float = 0.0) -> None:
+        """Let learned feedback weights learn one step (:class:`~fxnx.KolenPollack`,
+        :class:`~fxnx.WeightMirror`); call it once per step, after the backward pass.
+
+        Parameters
+        ----------
+        lr, weight_decay : float
+            The optimizer's learning rate and weight decay: Kolen–Pollack gives each
+            ``B`` the step plain SGD gives ``W`` (weight mirrors use their own rate).
+
+        Raises
+        ------
+        FxnxValueError
+            No node's rule learns its feedback (or none has run yet), or Kolen–Pollack
+            without ``lr``.
+        """
+        learners = {id(rule): rule for rule in self._bound.values() if callable(getattr(rule, "learn", None))}
+        if not learners:
+            raise FxnxValueError(
+                "update_feedback: no node of this router has feedback that learns (rules "
+                "'kolen_pollack' and 'weight_mirror' do), or none has run yet: call router(x) first"
+            )
+        for rule in learners.values():
+            rule.learn(lr, weight_decay)
 
     def grafted(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, collect: bool) -> tuple[Graft, list[Any]]:
         """The router's forward for these inputs (capture and graft reused or made) and the
@@ -367,6 +420,11 @@ class CreditRouter(nn.Module):
             "thread's last forward): save the model's state_dict and router.feedback, and build "
             "a new router with CreditRouter(G, model, rule, feedback=...)"
         )
+
+
+def own(feedback: dict[str, Any]) -> dict[str, Any]:
+    """Copies of the feedback weights (learned ones change in place as training goes)."""
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, feedback)
 
 
 def _check_loss(loss: Any) -> None:

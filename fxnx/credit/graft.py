@@ -35,6 +35,7 @@ node's credit is its own.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +49,7 @@ from .._callinfo import fetch_attr
 from .._compat import pytree, version
 from ..capturing.shapes import node_failure
 from ..errors import FxnxTypeError, FxnxValueError
+from .feedback import check_bytes
 from .plan import Entry, Plan
 from .record import Credit, NodeCall, call_target, fresh_leaf, run_node, written_input
 from .rules import DirectFeedbackAlignment, Exact, RoutingState, Transport
@@ -580,6 +582,8 @@ class _Tap(torch.autograd.Function):
                     f"({', '.join(map(str, sorted(b for b in batch if b is not None))) or 'none'}); "
                     f"route this node another way, e.g. rules={{{entry.call.name!r}: Exact()}}"
                 )
+        if spec:
+            _check_feedback_bytes(spec, outs, projected)
         ctx.spec, ctx.state, ctx.where = spec, state, (leaves, tree, slots)
         ctx.shapes = [x.shape if isinstance(x, Tensor) else None for x in projected]
         ctx.dtypes = [x.dtype if isinstance(x, Tensor) else None for x in projected]
@@ -599,6 +603,25 @@ class _Tap(torch.autograd.Function):
                 if not needed:
                     sent.append(None)
                     continue
-                B = entry.rule.projection(entry.call, k, e, shape, dtype)
-                sent.append((e.to(B.dtype) @ B.reshape(e.shape[1], -1)).reshape(shape).to(dtype))
+                sent.append(entry.rule.sent(entry.call, k, e, shape, dtype))
         return (None, None, None, *grads, *sent)
+
+
+def _check_feedback_bytes(spec: list[tuple[Entry, int]], outs: Sequence[Tensor], projected: Sequence[Any]) -> None:
+    """Refuse, before drawing any, direct feedback whose weights would take more than the
+    rule allows (``max_bytes``), naming the largest."""
+    d = sum(t[0].numel() if t.dim() else 1 for t in outs)
+    sizes = []
+    for (entry, k), x in zip(spec, projected, strict=True):
+        if isinstance(x, Tensor) and x.requires_grad:
+            shape = entry.rule.feedback_shape(k, d, x.shape)
+            sizes.append((math.prod(shape) * x.element_size(), entry, k, shape))
+    limits = [entry.rule.max_bytes for entry, _ in spec if entry.rule.max_bytes is not None]
+    total = sum(size for size, *_ in sizes)
+    if limits and total > min(limits):
+        size, entry, k, shape = max(sizes, key=operator.itemgetter(0))
+        check_bytes(
+            total, min(limits),
+            f"direct feedback alignment at {len(sizes)} inputs (the largest: node "
+            f"{entry.call.name!r}, input {k}, shape {tuple(shape)}, {size / 2**20:,.1f} MiB)",
+        )

@@ -78,7 +78,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
         call = NodeCall(
             name=node.name, op=node.op, target=node.target, module=module,
             sources=[src.name for _, src in occ], labels=[label for label, _ in occ],
-            inputs=[], output=None, params=params,
+            inputs=[], output=None, params=params, args=node.args, kwargs=dict(node.kwargs),
             param_inputs=_param_inputs(gm, [src.name for _, src in occ], entries),
         )
         entry = Entry(node=node, call=call)

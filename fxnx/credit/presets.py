@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FxnxValueError
+from .learned import KolenPollack, WeightMirror
 from .record import NodeCall
 from .rules import DirectFeedbackAlignment, FeedbackAlignment, Rule, SignSymmetry
 from .transport import CONTAINERS
@@ -169,4 +170,6 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
     "usf": Preset("usf", _every(SignSymmetry("uniform"))),
     "brsf": Preset("brsf", _every(SignSymmetry("batch_random"))),
     "frsf": Preset("frsf", _every(SignSymmetry("fixed_random"))),
+    "kolen_pollack": Preset("kolen_pollack", _every(KolenPollack())),
+    "weight_mirror": Preset("weight_mirror", _every(WeightMirror())),
 })

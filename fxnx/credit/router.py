@@ -22,7 +22,15 @@ from .._state import preserved
 from ..capturing import TRACING_LOCK
 from ..capturing.options import LeafSpec
 from ..capturing.reuse import kept_on
-from .engine import CreditRouter, graph_credit, output_credit_like, routed, rules_used, run_checked
+from .engine import (
+    CreditRouter,
+    graph_credit,
+    output_credit_like,
+    own,
+    routed,
+    rules_used,
+    run_checked,
+)
 from .presets import PRESETS
 from .record import fresh_leaf
 from .result import CreditResult, credit_norms
@@ -62,8 +70,8 @@ def route_credit(
         Credit arriving at the output; None means ones (the gradient of ``output.sum()``).
     rule : str, Preset or mapping
         A preset name: ``"exact"`` (equals autograd), ``"feedback_alignment"``,
-        ``"usf"``, ``"brsf"``, ``"frsf"``, ``"direct_feedback_alignment"``
-        (see ``fxnx.PRESETS``); a :class:`~fxnx.Preset`; or a mapping of node
+        ``"usf"``, ``"brsf"``, ``"frsf"``, ``"direct_feedback_alignment"``, ``"kolen_pollack"``,
+        ``"weight_mirror"`` (see ``fxnx.PRESETS``); a :class:`~fxnx.Preset`; or a mapping of node
         kinds to rules.
     rules : mapping, optional
         Rules that override the preset: keys are node names (str), module
@@ -119,7 +127,7 @@ def route_credit(
         param_credit=param_credit,
         rules=rules_used(run.plan, node_credit),
         rule=router.preset.name,
-        feedback=router.feedback,
+        feedback=own(router.feedback),
         output=pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, result),
     )
     nx.set_node_attributes(G, norms, "credit_norm")

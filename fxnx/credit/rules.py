@@ -29,17 +29,18 @@ from __future__ import annotations
 
 import copy
 import math
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._compat import pytree
 from ..errors import FxnxTypeError, FxnxValueError
+from . import feedback as fb
 from .record import Credit, NodeCall
+from .spatial import conv_geometry
 from .transport import exact_parameters, feedback_weights, has_weights, transported
 
 __all__ = [
@@ -128,14 +129,27 @@ class Exact(Rule):
         return call.exact(credit)
 
 
-class _Seeded(Rule):
-    """A rule that draws random feedback from its own seed, or the run's where it has none."""
+class _Drawn(Rule):
+    """A rule that draws random feedback weights (see :mod:`fxnx.credit.feedback`): from its
+    own seed or the run's, from law ``init``, none larger than ``max_bytes``."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    laws: ClassVar[tuple[str, ...]] = fb.LAWS
+
+    def __init__(
+        self, seed: int | None = None, *, init: str = "xavier", max_bytes: float | None = fb.MAX_BYTES
+    ) -> None:
         self.seed = seed
+        self.init = fb.check_law(init, self.laws)
+        self.max_bytes = max_bytes
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(seed={self.seed!r})"
+        return f"{type(self).__name__}(seed={self.seed!r}, init={self.init!r})"
+
+    def _draw(self, call: NodeCall, seed: int, key: str, shape: Any, like: Tensor) -> Tensor:
+        return fb.draw(
+            self.init, shape, seed=seed, key=key, like=like, max_bytes=self.max_bytes,
+            where=f"{self.name} at node {call.name!r}",
+        )
 
 
 class Transport(Rule):
@@ -154,27 +168,12 @@ class Transport(Rule):
         for one backward pass."""
         raise NotImplementedError
 
+    def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
+        """The ``B`` the node's latest step used, drawing nothing (empty before any)."""
+        return self.feedback_for(call)
+
     def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
         return transported(call, credit, self.feedback_for(call))
-
-
-def _generator(seed: int, key: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
-
-
-def _fresh(shape: torch.Size, like: Tensor, gen: torch.Generator) -> Tensor:
-    """A weight drawn as PyTorch draws a fresh layer's (Kaiming-uniform, ``a=√5``)."""
-    B = torch.empty(shape, dtype=like.dtype)
-    nn.init.kaiming_uniform_(B, a=math.sqrt(5), generator=gen)
-    return B.to(like.device)
-
-
-def _fresh_magnitude(like: Tensor, gen: torch.Generator) -> Tensor:
-    """``|w|`` for ``w`` drawn as :func:`_fresh` draws (uniform in ``±√(1/fan_in)``): uniform
-    in ``[0, √(1/fan_in))``, in one draw and one scaling."""
-    fan_in = like[0].numel() if like.dim() > 1 else like.numel()
-    M = torch.rand(like.shape, generator=gen, dtype=like.dtype)
-    return M.mul_(1.0 / math.sqrt(fan_in)).to(like.device)
 
 
 def _key(call: NodeCall, pname: str) -> str:
@@ -205,7 +204,7 @@ def _given(call: NodeCall, weights: dict[str, Tensor], feedback: Any) -> dict[st
     return {pname: B.detach() for pname, B in given.items()}
 
 
-class FeedbackAlignment(_Seeded, Transport):
+class FeedbackAlignment(_Drawn, Transport):
     """Feedback alignment (Lillicrap et al., 2016): a fixed random ``B`` in place of ``W``.
 
     The credit sent to the layer's input is that of the layer with ``B`` as its
@@ -226,8 +225,12 @@ class FeedbackAlignment(_Seeded, Transport):
     Parameters
     ----------
     seed : int, optional
-        Seeds ``B``, per node (drawn as a fresh layer's weight is). None: the
-        seed of the router or ``route_credit`` call.
+        Seeds ``B``, per node. None: the seed of the router or ``route_credit`` call.
+    init : {"xavier", "kaiming"}
+        The law ``B`` is drawn from (:mod:`fxnx.credit.feedback`); ``"xavier"``
+        by default, as in BioTorch.
+    max_bytes : int, optional
+        Refuse any feedback weight larger than this (1 GiB), before making it.
     """
 
     name = "feedback_alignment"
@@ -240,7 +243,7 @@ class FeedbackAlignment(_Seeded, Transport):
         bound = copy.copy(self)
         bound._weights = (
             _given(call, weights, feedback) if feedback is not None
-            else {p: _fresh(W.shape, W, _generator(seed, _key(call, p))) for p, W in weights.items()}
+            else {p: self._draw(call, seed, _key(call, p), W.shape, W) for p, W in weights.items()}
         )
         bound.feedback = _public(bound._weights)
         return bound
@@ -248,21 +251,34 @@ class FeedbackAlignment(_Seeded, Transport):
     def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
         return self._weights
 
+    def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
+        return self._weights
+
 
 _VARIANTS = {"uniform": "usf", "batch_random": "brsf", "fixed_random": "frsf"}
 
 
-class SignSymmetry(Transport):
+class SignSymmetry(_Drawn, Transport):
     """Sign symmetry (Liao et al., 2016): ``sign(W) ∘ M`` in place of ``W``.
+
+    As BioTorch defines the variants (Sanfiz & Akrout, 2021): ``M`` is the
+    standard deviation of the law ``init`` for ``W``'s shape (uSF), the absolute
+    value of a fresh draw from that law at every step (brSF), or of one draw
+    kept for good (frSF). Scaling uSF this way keeps the credit at the scale of
+    the forward weights (Xiao et al., 2018); ``init="unit"`` gives Liao et al.'s
+    literal uSF, ``M = 1``, whose credit grows with each layer's fan-in and can
+    make plain SGD diverge.
 
     Parameters
     ----------
     magnitude : {"uniform", "batch_random", "fixed_random"}
-        ``M`` is all ones (``"usf"``), the absolute value of a fresh random draw
-        at every step (``"brsf"``), or of one draw kept for good (``"frsf"``);
-        draws are made as a fresh layer's weight (Kaiming-uniform).
+        uSF, brSF or frSF.
     seed : int, optional
         Seeds the draws, per node. None: the seed of the run.
+    init : {"xavier", "kaiming", "unit"}
+        The law of ``M`` (:mod:`fxnx.credit.feedback`); ``"unit"`` for uSF only.
+    max_bytes : int, optional
+        Refuse any feedback weight larger than this (1 GiB), before making it.
 
     Notes
     -----
@@ -272,16 +288,20 @@ class SignSymmetry(Transport):
     used for the first step routed, so one step can be routed again as it was.
     """
 
+    laws = (*fb.LAWS, "unit")
+
     def __init__(
         self, magnitude: Literal["uniform", "batch_random", "fixed_random"] = "uniform",
-        seed: int | None = None,
+        seed: int | None = None, *, init: str = "xavier", max_bytes: float | None = fb.MAX_BYTES,
     ) -> None:
         if magnitude not in _VARIANTS:
             raise FxnxValueError(
                 f"magnitude must be one of {', '.join(map(repr, _VARIANTS))}, got {magnitude!r}"
             )
+        if init == "unit" and magnitude != "uniform":
+            raise FxnxValueError(f"init='unit' is uSF's literal form; {_VARIANTS[magnitude]} draws from 'xavier' or 'kaiming'")
+        super().__init__(seed, init=init, max_bytes=max_bytes)
         self.magnitude = magnitude
-        self.seed = seed
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -292,80 +312,117 @@ class SignSymmetry(Transport):
         return self.magnitude == "batch_random"
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.magnitude!r}, seed={self.seed!r})"
+        return f"{type(self).__name__}({self.magnitude!r}, seed={self.seed!r}, init={self.init!r})"
 
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         if _weightless(call):
             return Exact().bind(call, seed, feedback)
         weights = feedback_weights(call)
-        seed = seed if self.seed is None else self.seed
         bound = copy.copy(self)
-        bound._gens = {p: _generator(seed, _key(call, p)) for p in weights}
+        bound._seed = seed if self.seed is None else self.seed
+        bound._draws = 0
         bound._pending = None
-        if self.magnitude == "fixed_random":
+        if self.magnitude == "uniform":
+            if feedback is not None:
+                raise FxnxValueError(
+                    f"feedback was given for node {call.name!r}, but {self.name} uses sign(W) alone"
+                )
+            bound._scales = {p: 1.0 if self.init == "unit" else fb.std(self.init, W.shape) for p, W in weights.items()}
+        elif self.magnitude == "fixed_random":
             bound._magnitudes = (
                 _given(call, weights, feedback) if feedback is not None
-                else {p: _fresh(W.shape, W, bound._gens[p]).abs() for p, W in weights.items()}
+                else {p: bound._draw(call, bound._seed, _key(call, p), W.shape, W).abs_() for p, W in weights.items()}
             )
             bound.feedback = _public(bound._magnitudes)
-        elif feedback is not None and self.magnitude == "batch_random":
+        elif feedback is not None:
             # The magnitudes of one step (CreditRouter.feedback after it), to route that step
             # again; later steps draw afresh.
             bound._pending = _given(call, weights, feedback)
-        elif feedback is not None:
-            raise FxnxValueError(
-                f"feedback was given for node {call.name!r}, but {self.name} uses sign(W) alone"
-            )
         return bound
 
     def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
         weights = feedback_weights(call)
+        if self.magnitude == "uniform":
+            return {p: W.detach().sign().mul_(self._scales[p]) for p, W in weights.items()}
         if self.magnitude == "batch_random":
+            self._draws += 1
             self._magnitudes = self._pending or {
-                p: _fresh_magnitude(W, self._gens[p]) for p, W in weights.items()
+                p: self._draw(call, self._seed, f"{_key(call, p)}@{self._draws}", W.shape, W).abs_()
+                for p, W in weights.items()
             }
             self._pending = None
             self.feedback = _public(self._magnitudes)
-        return {
-            p: W.detach().sign() if self.magnitude == "uniform"
-            else W.detach().sign() * self._magnitudes[p]
-            for p, W in weights.items()
-        }
+        return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in weights.items()}
+
+    def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
+        if self.magnitude == "batch_random" and not hasattr(self, "_magnitudes"):
+            return {}
+        if self.magnitude == "batch_random":
+            return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in feedback_weights(call).items()}
+        return self.feedback_for(call)
 
 
-class DirectFeedbackAlignment(_Seeded):
-    """Direct feedback alignment (Nøkland, 2016): the node's input gets ``e @ B``.
+class DirectFeedbackAlignment(_Drawn):
+    """Direct feedback alignment (Nøkland, 2016): the node's input gets ``e`` through ``B``.
 
     ``e`` is the credit at the model's output, flattened per sample to shape
     ``(N, D)`` (several output tensors are concatenated), and ``B`` a fixed
-    random projection of shape ``(D, *x.shape[1:])`` for each input ``x`` of
-    the node, so the input's credit is ``(e @ B.reshape(D, -1)).reshape(x.shape)``
-    instead of ``Wᵀ·credit``. Credit thus reaches every weighted layer straight
-    from the output, whatever lies between (skips, merges, normalisations).
+    random projection for each input ``x`` of the node:
+
+    - for a convolution's input (``nn.Conv1d/2d/3d``, ``F.conv*d``, their ATen
+      forms), by default **shared over space**, as BioTorch does: ``B`` has the
+      shape ``(D, C_in, *kernel)``, and the input's credit is what a convolution
+      with weight ``B`` and the layer's stride, padding and dilation sends back
+      when ``e`` is broadcast over its whole output grid. Its size does not
+      depend on the image's; a grouped convolution's feedback is ungrouped;
+      padding is zero padding;
+    - otherwise (and with ``spatial=False``) dense: ``B`` has the shape
+      ``(D, *x.shape[1:])`` and the input's credit is
+      ``(e @ B.reshape(D, -1)).reshape(x.shape)``.
 
     Routed over the graph, this is Nøkland's rule: the credit at a hidden
     layer's output is what the nodes after it made of their projections (the
-    exact VJP of the activation after it, the sum at a fan-out), and the layer's
-    own parameters get the exact local credit given it. The last layer's
-    parameters get the output credit itself, as in the paper. A function node's
-    parameter arguments (the weight and bias of an exported ``aten.linear``) get
-    their exact credit; only its other inputs get projections, and a function
-    node with no weight of two or more dimensions is routed exactly.
+    exact VJP of the activation after it, the sum at a fan-out). So besides its
+    own projection, a layer whose output feeds an identity skip also receives
+    the projections of the layers after the merge, carried back along the
+    skip (as in BioTorch); the layer's own parameters get the exact local
+    credit given it. The last layer's parameters get the output credit
+    itself, as in the paper. A function node's parameter arguments (the weight
+    and bias of an exported ``aten.linear``) get their exact credit; only its
+    other inputs get projections, and a function node with no weight of two or
+    more dimensions is routed exactly.
 
     Parameters
     ----------
     seed : int, optional
-        Seeds each ``B``, per node and input, drawn uniformly in ``±1/√D`` (as a
-        fresh linear layer from ``D`` features would be) on first use, when the
-        input's shape is known. None: the seed of the run.
+        Seeds each ``B``, per node and input, drawn on first use when the
+        output's size is known. None: the seed of the run.
+    init : {"xavier", "kaiming"}
+        The law of ``B`` (:mod:`fxnx.credit.feedback`; fans of the dense form
+        are those of the ``(D, prod(x.shape[1:]))`` matrix).
+    spatial : bool
+        Share a convolution's feedback over space (default) or use the dense form.
+    max_bytes : int, optional
+        The most the feedback weights of all of one router's nodes under this
+        rule may take together (1 GiB); the router refuses, before drawing
+        any, when they would take more.
 
     Notes
     -----
-    ``B`` has ``D · prod(x.shape[1:])`` entries: large for early convolutions
-    with many outputs. :attr:`feedback` holds ``B`` (a tuple for several inputs).
+    :attr:`feedback` holds ``B`` (a tuple for several inputs).
     """
 
     name = "direct_feedback_alignment"
+
+    def __init__(
+        self, seed: int | None = None, *, init: str = "xavier", spatial: bool = True,
+        max_bytes: float | None = fb.MAX_BYTES,
+    ) -> None:
+        super().__init__(seed, init=init, max_bytes=max_bytes)
+        self.spatial = spatial
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed!r}, init={self.init!r}, spatial={self.spatial!r})"
 
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         if _weightless(call):
@@ -375,6 +432,7 @@ class DirectFeedbackAlignment(_Seeded):
         given = feedback if isinstance(feedback, (tuple, list)) else [feedback]
         bound._B = list(given) if feedback is not None else []
         bound.feedback = feedback
+        bound._geometry = conv_geometry(call) if self.spatial else None
         return bound
 
     def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
@@ -392,28 +450,47 @@ class DirectFeedbackAlignment(_Seeded):
                     f"{e.shape[0]}; route this node another way, e.g. "
                     f"rules={{{call.name!r}: Exact()}}"
                 )
-            B = self.projection(call, i, e, x.shape, x.dtype)
-            inputs[i] = (e.to(B.dtype) @ B.reshape(e.shape[1], -1)).reshape(x.shape).to(x.dtype)
+            inputs[i] = self.sent(call, i, e, x.shape, x.dtype)
         return inputs, params
 
+    def feedback_shape(self, i: int, d: int, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of ``B`` for input ``i`` of shape ``shape``, with ``d`` output features."""
+        if i == 0 and self._geometry is not None:
+            return (d, shape[1], *self._geometry.kernel)
+        return (d, *shape[1:])
+
+    def sent(self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """The credit input ``i`` (of ``shape``) gets for output credit ``e`` of shape ``(N, D)``."""
+        B = self.projection(call, i, e, shape, dtype)
+        e = e.to(B.dtype)
+        if i == 0 and self._geometry is not None:
+            return self._geometry.credit(e, B, shape).to(dtype)
+        return (e @ B.reshape(e.shape[1], -1)).reshape(shape).to(dtype)
+
     def projection(self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        """``B`` for input ``i`` of ``call``'s node, of shape ``(D, *shape[1:])`` for output
+        """``B`` for input ``i`` of ``call``'s node (see :meth:`feedback_shape`), for output
         credit ``e`` of shape ``(N, D)``: drawn on first use, then the same every step."""
-        want = (e.shape[1], *shape[1:])
+        want = self.feedback_shape(i, e.shape[1], shape)
         while len(self._B) <= i:
             self._B.append(None)
         B = self._B[i]
         if B is None:
-            bound = 1.0 / math.sqrt(e.shape[1])
-            gen = _generator(self._seed, f"{call.name}.dfa{i}")
-            B = (torch.rand(want, generator=gen, dtype=dtype) * 2 - 1).mul_(bound).to(e.device)
+            like = torch.empty((), dtype=dtype, device=e.device)
+            dense = (want[0], math.prod(want[1:]))
+            flat = len(want) > 2 and not (i == 0 and self._geometry is not None)
+            B = self._draw(call, self._seed, f"{call.name}.dfa{i}", dense if flat else want, like).reshape(want)
             self._B[i] = B
             self.feedback = B if len(self._B) == 1 else tuple(self._B)
         elif tuple(B.shape) != want:
+            layout = (
+                "output features, input channels, then the kernel's size: feedback shared over space; "
+                "DirectFeedbackAlignment(spatial=False) takes the dense form"
+                if i == 0 and self._geometry is not None
+                else "output features, then the input's shape without its batch dimension"
+            )
             raise FxnxValueError(
                 f"direct feedback alignment at node {call.name!r}: feedback for input {i} has "
-                f"shape {tuple(B.shape)}, expected {want} (output features, then the input's "
-                "shape without its batch dimension)"
+                f"shape {tuple(B.shape)}, expected {want} ({layout})"
             )
         return B
 

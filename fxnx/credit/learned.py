@@ -1,0 +1,176 @@
+"""Feedback weights that learn: Kolen–Pollack and weight mirrors (Akrout et al., 2019).
+
+Both route credit as feedback alignment does (``B`` in place of ``W`` on the way
+back, natively inside autograd on linear layers and convolutions), and both
+bring ``B`` into alignment with ``W`` as training goes, which is what let them
+reach backprop's accuracy on ImageNet ("Deep learning without weight transport",
+NeurIPS 2019). ``B`` learns when the router is told to:
+:meth:`CreditRouter.update_feedback <fxnx.CreditRouter.update_feedback>`, once
+per step, after the backward pass::
+
+    loss.backward()
+    router.update_feedback(lr=0.05, weight_decay=1e-4)   # the optimizer's lr and decay
+    opt.step()
+
+or, to have the optimizer call it, ``opt.register_step_pre_hook(lambda *_:
+router.update_feedback(lr=..., weight_decay=...))``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._compat import version
+from ..errors import FxnxValueError
+from . import feedback as fb
+from .record import NodeCall
+from .rules import FeedbackAlignment, Rule
+from .transport import feedback_weights
+
+__all__ = ["KolenPollack", "WeightMirror"]
+
+
+class _Learned(FeedbackAlignment):
+    """Feedback alignment whose ``B`` (laid out like ``W``, updated in place) learns."""
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        bound = super().bind(call, seed, feedback)
+        if not isinstance(bound, _Learned):  # a weightless node: routed exactly
+            return bound
+        bound._weights = {p: fb.laid_out_like(B.clone(), bound._W(call)[p]) for p, B in bound._weights.items()}
+        bound.feedback = next(iter(bound._weights.values())) if len(bound._weights) == 1 else bound._weights
+        bound._call = call
+        bound._updates = 0
+        bound._versions = {p: version(W) for p, W in bound._W(call).items()}
+        bound._warned = False
+        return bound
+
+    @staticmethod
+    def _W(call: NodeCall) -> dict[str, Tensor]:
+        return feedback_weights(call)
+
+    def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
+        if not self._updates and not self._warned and any(
+            version(W) != self._versions[p] for p, W in self._W(call).items()
+        ):
+            self._warned = True
+            warnings.warn(
+                f"{self.name} at node {call.name!r}: W has changed but B has not learned; call "
+                "router.update_feedback(lr=..., weight_decay=...) after each backward pass",
+                stacklevel=2,
+            )
+        return self._weights
+
+    def learn(self, lr: float | None, weight_decay: float) -> None:
+        raise NotImplementedError
+
+
+class KolenPollack(_Learned):
+    """Kolen–Pollack learning (Kolen & Pollack, 1994; Akrout et al., 2019): ``B`` receives
+    ``W``'s update, with the same weight decay.
+
+    At each :meth:`~fxnx.CreditRouter.update_feedback` call, every ``B`` takes the
+    step plain SGD takes on its ``W`` from ``W.grad``, ``B ← B − lr·(∇W + λ·B)``
+    (``B`` is laid out like ``W``: this is Akrout et al.'s update of the
+    transposed backward matrix). ``W − B`` then shrinks by ``(1 − lr·λ)`` per
+    step, so ``B`` comes into line with ``W`` whatever they started from: give
+    the optimizer's learning rate and a weight decay above zero.
+
+    Parameters
+    ----------
+    seed, init, max_bytes
+        As for :class:`~fxnx.FeedbackAlignment`: the starting ``B``.
+    """
+
+    name = "kolen_pollack"
+
+    def learn(self, lr: float | None, weight_decay: float) -> None:
+        if lr is None:
+            raise FxnxValueError(
+                f"kolen_pollack at node {self._call.name!r}: B takes W's update, so "
+                "update_feedback needs the optimizer's lr= (and weight_decay=)"
+            )
+        with torch.no_grad():
+            for p, W in self._W(self._call).items():
+                if W.grad is None:
+                    continue
+                B = self._weights[p]
+                B.mul_(1 - lr * weight_decay).sub_(W.grad.to(B.dtype), alpha=lr)
+        self._updates += 1
+
+
+class WeightMirror(_Learned):
+    """Weight mirrors (Akrout et al., 2019): ``B`` learns from its layer's own response to
+    noise, with no access to ``W``.
+
+    At each :meth:`~fxnx.CreditRouter.update_feedback` call, the layer (its weight
+    only, no bias) is driven by white noise ``ξ`` of variance ``noise²``, ``batch``
+    samples, and ``B`` moves towards the correlation of the layer's output ``y`` with
+    its input: ``B ← (1 − rate)·B + rate · E[y ξᵀ] / noise²``. Since ``E[y ξᵀ] =
+    noise²·W`` for a linear map, ``B`` tends to ``W``. This is Akrout et al.'s mirror
+    update ``ΔB = η·y ξᵀ − λ·B`` with ``η = rate / (batch·noise²)`` and ``λ = rate``.
+    Convolutions are mirrored on noise patches the size of their (dilated) kernel.
+
+    Supported on ``nn.Linear`` and ``nn.Conv1d/2d/3d``; any other weighted node under
+    this rule is refused with an error naming it.
+
+    Parameters
+    ----------
+    rate : float
+        How far ``B`` moves towards the mirrored estimate per call.
+    noise : float
+        The standard deviation of the noise.
+    batch : int
+        Noise samples per call.
+    seed, init, max_bytes
+        As for :class:`~fxnx.FeedbackAlignment`: the starting ``B`` and the noise's seed.
+    """
+
+    name = "weight_mirror"
+
+    def __init__(
+        self, rate: float = 0.1, noise: float = 1.0, batch: int = 64, seed: int | None = None, *,
+        init: str = "xavier", max_bytes: float | None = fb.MAX_BYTES,
+    ) -> None:
+        super().__init__(seed, init=init, max_bytes=max_bytes)
+        self.rate, self.noise, self.batch = rate, noise, batch
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        bound = super().bind(call, seed, feedback)
+        if isinstance(bound, WeightMirror):
+            if not isinstance(call.module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                kind = type(call.module).__qualname__ if call.module is not None else getattr(call.target, "__name__", call.target)
+                raise FxnxValueError(
+                    f"weight_mirror at node {call.name!r}: weight mirrors are supported on nn.Linear "
+                    f"and nn.Conv1d/2d/3d, not {kind}; route this node with another rule, e.g. "
+                    f"rules={{{call.name!r}: fxnx.KolenPollack()}}"
+                )
+            bound._noise = fb.generator(self.seed if self.seed is not None else seed, f"{call.name}.mirror")
+        return bound
+
+    def learn(self, lr: float | None, weight_decay: float) -> None:
+        module = self._call.module
+        W = module.weight.detach()
+        if isinstance(module, nn.Linear):
+            xi = torch.randn((self.batch, W.shape[1]), generator=self._noise, dtype=W.dtype).to(W.device) * self.noise
+            y = F.linear(xi, W)
+            estimate = y.T @ xi
+        else:
+            dims = W.dim() - 2
+            size = [d * (k - 1) + 1 for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+            shape = (self.batch, W.shape[1] * module.groups, *size)
+            xi = torch.randn(shape, generator=self._noise, dtype=W.dtype).to(W.device) * self.noise
+            conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+            leaf = W.clone().requires_grad_()
+            with torch.enable_grad():
+                y = conv(xi, leaf, None, 1, 0, module.dilation, module.groups)
+                (estimate,) = torch.autograd.grad(y, leaf, y.detach())
+        with torch.no_grad():
+            B = self._weights["weight"]
+            B.mul_(1 - self.rate).add_(estimate.to(B.dtype), alpha=self.rate / (self.batch * self.noise**2))
+        self._updates += 1
