@@ -1,32 +1,44 @@
-"""Train small models with every credit rule fxnx knows and compare them.
+"""The learning-rules benchmark: every credit rule fxnx knows, on two small data sets.
 
-    python scripts/learning_rules.py                  # both tasks, every rule, figures/ + table
-    python scripts/learning_rules.py --steps 200      # shorter runs
-    python scripts/learning_rules.py --tasks teacher  # one task
+    python scripts/learning_rules.py                         # everything: 2 x 2 x 8 rules x 3 seeds
+    python scripts/learning_rules.py --steps 300 --seeds 0   # a quick look
+    python scripts/learning_rules.py --tasks digits --models cnn --rules exact usf
 
-Two tasks, with data made here or shipped inside an installed package (nothing is downloaded):
+Both data sets are made here, offline (nothing is downloaded):
 
-- ``teacher``: a teacher-student regression. A fixed random two-layer tanh network
-  (the teacher) labels Gaussian inputs; a deeper tanh MLP (the student) learns it.
-- ``digits``: scikit-learn's 8x8 digits (1,797 images shipped with scikit-learn, the
-  ``bench`` extra), classified by an MLP with a residual block, so the rules also have to
-  route credit across a skip connection.
+- ``digits``: scikit-learn's 8x8 digits (1,797 images shipped inside scikit-learn),
+  scaled to [0, 1] and split 1,437 train / 360 test by a fixed permutation;
+- ``mnist1d``: MNIST-1D (Greydanus, 2020), 4,000 train / 1,000 test sequences of
+  length 40, generated from the ``mnist1d`` package's templates by its
+  ``make_dataset`` (its default arguments, 5,000 samples).
 
-Each rule trains the same initial student with :class:`fxnx.CreditRouter` and SGD with
-momentum. The script writes into ``--out`` (default ``figures/``):
+Each data set is learned by an MLP and by a small CNN (``--models``). Every rule
+(``--rules``) trains the same initial weights (per seed) on the same batches with
+:class:`fxnx.CreditRouter`, plain SGD (no momentum) and one learning rate and weight
+decay for every rule, backprop's; Kolen-Pollack and weight mirrors let their feedback
+weights learn after each backward pass (``router.update_feedback``). The script
+writes into ``--out`` (default ``figures/``):
 
-- ``learning_rules.md``: the table (final training loss, test loss or error, steps, seconds);
-- ``learning_rules_loss.png``: test loss (teacher) and test error (digits) per rule over training;
-- ``learning_rules_alignment.png``: per layer, the angle between each rule's weight credit
-  and the exact (backprop) weight credit over training on the teacher task. Lillicrap et al.
-  (2016) saw feedback alignment start near 90 degrees and fall as the forward weights come
-  to align with the fixed feedback weights.
+- ``learning_rules.md``: test error (mean and standard deviation over seeds), training
+  loss, W-B angle, credit angle and seconds per data set, model and rule; the command and
+  settings; BioTorch's published MNIST errors beside it, for orderings only;
+- ``learning_rules_error.png``: test error over training per rule (mean over seeds);
+- ``learning_rules_alignment.png``: the angle between each weight-transport node's
+  feedback weights B and its weights W (mean over nodes), and the angle between each
+  rule's weight credit and backprop's (mean over hidden layers), over training.
+
+The packages (scikit-learn, mnist1d) come with the ``bench`` extra:
+``pip install -e '.[bench]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import statistics
+import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,61 +53,105 @@ from torch import Tensor, nn  # noqa: E402
 import fxnx  # noqa: E402
 
 #: The rules compared, in the order of the table and the legends.
-RULES = ["exact", "feedback_alignment", "usf", "brsf", "frsf", "direct_feedback_alignment"]
-#: Colour-blind-safe colours (Okabe-Ito), one per rule.
-COLOURS = dict(zip(RULES, ["#000000", "#E69F00", "#56B4E9", "#009E73", "#CC79A7", "#D55E00"], strict=True))
+RULES = [
+    "exact", "feedback_alignment", "usf", "brsf", "frsf", "direct_feedback_alignment",
+    "kolen_pollack", "weight_mirror",
+]
+#: Short names for legends.
+LABELS = dict(zip(RULES, ["BP", "FA", "uSF", "brSF", "frSF", "DFA", "KP", "WM"], strict=True))
+#: Colour-blind-safe colours (Okabe-Ito, and Tol's wine for the eighth), one per rule;
+#: line styles tell the families apart as well (random feedback, sign symmetry, learned).
+COLOURS = dict(zip(RULES, [
+    "#000000", "#E69F00", "#56B4E9", "#009E73", "#CC79A7", "#D55E00", "#0072B2", "#882255",
+], strict=True))
+STYLES = dict(zip(RULES, ["-", "-", "--", "--", "--", "-", "-.", "-."], strict=True))
+#: Rules whose nodes hold feedback weights B in place of W (``router.alignment()``).
+TRANSPORT = ["feedback_alignment", "usf", "brsf", "frsf", "kolen_pollack", "weight_mirror"]
+#: Rules whose feedback weights learn (``router.update_feedback``).
+LEARNED = ("kolen_pollack", "weight_mirror")
+TASKS = ["digits", "mnist1d"]
+MODELS = ["mlp", "cnn"]
+
+#: BioTorch's published MNIST test errors in % (Sanfiz & Akrout, 2021, BioTorch's
+#: Benchmarks.md); Kolen-Pollack and weight mirrors are not reported there.
+BIOTORCH_MNIST = {
+    "exact": "0.91", "feedback_alignment": "1.7", "usf": "0.94", "brsf": "0.91",
+    "frsf": "0.97", "direct_feedback_alignment": "1.61",
+    "kolen_pollack": "not reported", "weight_mirror": "not reported",
+}
 
 
 @dataclass
 class Task:
-    """A data set, a model factory and how to score it."""
+    """A classification data set: flat inputs, labels, and the shape a CNN sees."""
 
     name: str
     x_train: Tensor
     y_train: Tensor
     x_test: Tensor
     y_test: Tensor
-    make_model: object
-    loss: object
-    metric_name: str
-    metric: object
-    lr: float
-    batch: int = 32
+    image: tuple[int, ...]  # one sample's shape for a CNN, channels first
 
 
 @dataclass
 class Run:
-    """What training one model with one rule produced."""
+    """What training one model with one rule from one seed produced."""
 
+    task: str
+    model: str
     rule: str
-    steps: list[int] = field(default_factory=list)
-    metric: list[float] = field(default_factory=list)
-    train_loss: float = float("nan")  # mean over the last 100 steps
+    seed: int
+    losses: list[float] = field(default_factory=list)  # training loss per step
+    steps: list[int] = field(default_factory=list)  # probe steps
+    error: list[float] = field(default_factory=list)  # test error per probe
+    wb_angle: list[float] = field(default_factory=list)  # mean W-B angle per probe
+    credit_angle: list[float] = field(default_factory=list)  # weight credit vs backprop's
     seconds: float = 0.0
-    angles: dict[str, list[float]] = field(default_factory=dict)  # weight name -> angle per probe
+
+    @property
+    def train_loss(self) -> float:
+        """The mean training loss over the last 100 steps."""
+        recent = self.losses[-100:]
+        return sum(recent) / len(recent) if recent else float("nan")
 
 
-class StudentMLP(nn.Module):
-    """The student of the teacher task: four tanh layers."""
+def digits_task() -> Task | None:
+    """scikit-learn's digits, scaled to [0, 1], split 1,437 / 360; None without scikit-learn."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        print("digits skipped: scikit-learn is not installed (pip install -e '.[bench]')")
+        return None
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    return Task("digits", x[:1437], y[:1437], x[1437:], y[1437:], image=(1, 8, 8))
 
-    def __init__(self, d_in: int, hidden: int, d_out: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, hidden)
-        self.fc2 = nn.Linear(hidden, hidden)
-        self.fc3 = nn.Linear(hidden, hidden)
-        self.out = nn.Linear(hidden, d_out)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.fc1(x))
-        h = torch.tanh(self.fc2(h))
-        h = torch.tanh(self.fc3(h))
-        return self.out(h)
+def mnist1d_task() -> Task | None:
+    """MNIST-1D made from the package's templates (no download), 4,000 / 1,000; None without it."""
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError:
+        print("mnist1d skipped: mnist1d is not installed (pip install -e '.[bench]')")
+        return None
+    args = get_dataset_args()
+    args.num_samples = 5000  # its default: 4,000 train, 1,000 test
+    data = make_dataset(args)  # seeds numpy's global generator with args.seed
+    return Task(
+        "mnist1d",
+        torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"]),
+        torch.tensor(data["x_test"], dtype=torch.float32), torch.tensor(data["y_test"]),
+        image=(1, 40),
+    )
 
 
 class ResidualMLP(nn.Module):
-    """The digits classifier: a hidden layer, a residual block around two more, a readout."""
+    """A hidden layer, a residual block around two more, a readout."""
 
-    def __init__(self, d_in: int = 64, hidden: int = 128, classes: int = 10) -> None:
+    def __init__(self, d_in: int, hidden: int, classes: int = 10) -> None:
         super().__init__()
         self.fc1 = nn.Linear(d_in, hidden)
         self.block1 = nn.Linear(hidden, hidden)
@@ -108,207 +164,308 @@ class ResidualMLP(nn.Module):
         return self.out(F.relu(h))
 
 
-def teacher_task(seed: int) -> Task:
-    """Gaussian inputs labelled by a fixed random tanh network, plus a little noise."""
-    g = torch.Generator().manual_seed(seed)
-    d_in, d_hidden, d_out = 30, 20, 10
-    w1 = torch.randn(d_hidden, d_in, generator=g) / d_in**0.5
-    w2 = torch.randn(d_out, d_hidden, generator=g) / d_hidden**0.5
+class SmallCNN(nn.Module):
+    """Two convolutions with ReLU, then a linear readout; 2-D for images, 1-D for sequences."""
 
-    def label(x: Tensor) -> Tensor:
-        return torch.tanh(x @ w1.T) @ w2.T
+    def __init__(self, image: tuple[int, ...], classes: int = 10) -> None:
+        super().__init__()
+        self.unflatten = nn.Unflatten(1, image)
+        if len(image) == 3:  # 8x8 digits: 3x3 kernels, same size
+            self.conv1 = nn.Conv2d(image[0], 16, 3, padding=1)
+            self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+            features = 32 * image[1] * image[2]
+        else:  # MNIST-1D: kernels of 5, stride 2 (40 -> 20 -> 10)
+            self.conv1 = nn.Conv1d(image[0], 32, 5, stride=2, padding=2)
+            self.conv2 = nn.Conv1d(32, 32, 5, stride=2, padding=2)
+            features = 32 * image[1] // 4
+        self.out = nn.Linear(features, classes)
 
-    x = torch.randn(4096 + 1024, d_in, generator=g)
-    y = label(x) + 0.01 * torch.randn(len(x), d_out, generator=g)
-    return Task(
-        name="teacher", x_train=x[:4096], y_train=y[:4096], x_test=x[4096:], y_test=y[4096:],
-        make_model=lambda: StudentMLP(d_in, 64, d_out), loss=F.mse_loss,
-        metric_name="test MSE", metric=F.mse_loss, lr=0.02,
-    )
-
-
-def digits_task(seed: int) -> Task | None:
-    """scikit-learn's digits, scaled to [0, 1], split 1,437 / 360; None without scikit-learn."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        print("digits task skipped: scikit-learn is not installed (pip install -e '.[bench]')")
-        return None
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-
-    def error(logits: Tensor, target: Tensor) -> Tensor:
-        return (logits.argmax(1) != target).float().mean()
-
-    return Task(
-        name="digits", x_train=x[:1437], y_train=y[:1437], x_test=x[1437:], y_test=y[1437:],
-        make_model=ResidualMLP, loss=F.cross_entropy, metric_name="test error",
-        metric=error, lr=0.02,
-    )
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(self.conv1(self.unflatten(x)))
+        h = F.relu(self.conv2(h))
+        return self.out(torch.flatten(h, 1))
 
 
-def train(task: Task, rule: str, steps: int, seed: int, probe_every: int, angles: bool) -> Run:
-    """Train ``task``'s model from the same initial weights with ``rule``; probe as it goes."""
+def make_model(task: Task, name: str) -> nn.Module:
+    """``name`` ("mlp" or "cnn") for ``task``, initialised as BioTorch initialises.
+
+    Every linear and convolution weight is drawn by ``xavier_uniform_`` and every bias is
+    zero, as BioTorch does (Sanfiz & Akrout, 2021); fxnx draws the feedback weights B by
+    the same law.
+    """
+    d_in = task.x_train.shape[1]
+    model = ResidualMLP(d_in, 128 if d_in < 40 else 256) if name == "mlp" else SmallCNN(task.image)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            nn.init.xavier_uniform_(module.weight)
+            nn.init.zeros_(module.bias)
+    return model
+
+
+@dataclass
+class Settings:
+    """What every run shares."""
+
+    steps: int
+    lr: float
+    weight_decay: float
+    batch: int
+    probe_every: int
+    probe_batch: int = 256
+
+
+def train(task: Task, model_name: str, rule: str, seed: int, settings: Settings) -> Run:
+    """Train ``model_name`` on ``task`` with ``rule`` from ``seed``'s initial weights and batches.
+
+    Every rule sees the same initial weights and the same batches for a given seed; the
+    seconds count the training steps only, not the probes.
+    """
     torch.manual_seed(seed)
-    model = task.make_model()
-    G = fxnx.convert(model, task.x_train[: task.batch])
+    model = make_model(task, model_name)
+    G = fxnx.convert(model, task.x_train[: settings.batch])
     router = fxnx.CreditRouter(G, model, rule=rule, seed=seed)
-    opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     batches = torch.Generator().manual_seed(seed + 1)
-    run = Run(rule)
-    weights = [name for name, p in model.named_parameters() if p.dim() == 2]
-    elapsed = 0.0
-    recent: list[float] = []
-    for step in range(steps + 1):
-        if step % probe_every == 0 or step == steps:
-            with torch.no_grad():
-                run.metric.append(float(task.metric(model(task.x_test), task.y_test)))
-            run.steps.append(step)
-        if step == steps:
+    probe = torch.randperm(len(task.x_train), generator=torch.Generator().manual_seed(seed + 2))
+    probe = probe[: settings.probe_batch]
+    run = Run(task.name, model_name, rule, seed)
+    for step in range(settings.steps + 1):
+        if step % settings.probe_every == 0 or step == settings.steps:
+            _probe(run, step, G, model, router, task, task.x_train[probe], task.y_train[probe])
+        if step == settings.steps:
             break
-        idx = torch.randint(len(task.x_train), (task.batch,), generator=batches)
+        idx = torch.randint(len(task.x_train), (settings.batch,), generator=batches)
         x, y = task.x_train[idx], task.y_train[idx]
-        if angles and step % probe_every == 0:
-            _probe_angles(run, G, model, router, task, x, y, weights, seed)
         start = time.perf_counter()
         opt.zero_grad()
-        loss = task.loss(router(x), y)
-        router.backward(loss)
+        loss = F.cross_entropy(router(x), y)
+        loss.backward()
+        if rule in LEARNED:  # B learns; Kolen-Pollack's B takes W's SGD step, same decay
+            router.update_feedback(lr=settings.lr, weight_decay=settings.weight_decay)
         opt.step()
-        elapsed += time.perf_counter() - start
-        recent = [*recent[-99:], loss.item()]
-    run.train_loss = sum(recent) / max(1, len(recent))
-    run.seconds = elapsed
+        run.seconds += time.perf_counter() - start
+        run.losses.append(loss.item())
     return run
 
 
-def _probe_angles(
-    run: Run, G, model: nn.Module, router, task: Task, x: Tensor, y: Tensor,
-    weights: list[str], seed: int,
-) -> None:
-    """Angle between the rule's and backprop's weight credit, per layer, on one batch.
+def _probe(run: Run, step: int, G, model: nn.Module, router, task: Task, x: Tensor, y: Tensor) -> None:
+    """Test error, the mean W-B angle, and the angle of the rule's weight credit to backprop's.
 
-    Both are routed by :func:`fxnx.route_credit` (no side effects) from the same credit
-    at the output, d(loss)/d(output) computed here by autograd, with the router's own
-    feedback weights.
+    The credit angle: both credits are routed by :func:`fxnx.route_credit` (no side
+    effects) from the same credit at the output, d(loss)/d(logits) on a fixed batch of
+    training samples, with the router's own feedback weights; the angle is averaged over
+    the hidden layers' weights (the readout's credit is backprop's under every rule).
     """
+    with torch.no_grad():
+        run.error.append(float((model(task.x_test).argmax(1) != task.y_test).float().mean()))
+    run.steps.append(step)
+    angles = [a["angle"] for a in router.alignment().values()]
+    run.wb_angle.append(statistics.fmean(angles) if angles else float("nan"))
+    if run.rule == "exact":
+        run.credit_angle.append(0.0)
+        return
     out = model(x).detach().requires_grad_()
-    (output_credit,) = torch.autograd.grad(task.loss(out, y), out)
+    (output_credit,) = torch.autograd.grad(F.cross_entropy(out, y), out)
     exact = fxnx.route_credit(G, model, x, output_credit=output_credit)
     ours = fxnx.route_credit(G, model, x, output_credit=output_credit, rule=run.rule,
-                             seed=seed, feedback=router.feedback)
+                             seed=run.seed, feedback=router.feedback)
     aligned = fxnx.credit_alignment(ours, exact, params=True)
-    for name in weights:
-        run.angles.setdefault(name, []).append(aligned.get(name, {}).get("angle", float("nan")))
+    hidden = [name for name, p in model.named_parameters() if p.dim() > 1 and not name.startswith("out.")]
+    run.credit_angle.append(statistics.fmean(aligned.get(n, {}).get("angle", float("nan")) for n in hidden))
 
 
-def table(results: dict[str, list[Run]], tasks: dict[str, Task]) -> str:
-    """The results as a Markdown table."""
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _spread(values: Sequence[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _groups(runs: list[Run]) -> dict[tuple[str, str, str], list[Run]]:
+    """Runs grouped by (task, model, rule), in the order they ran."""
+    out: dict[tuple[str, str, str], list[Run]] = {}
+    for run in runs:
+        out.setdefault((run.task, run.model, run.rule), []).append(run)
+    return out
+
+
+def table(runs: list[Run]) -> str:
+    """The results as a Markdown table: one row per data set, model and rule."""
     lines = [
-        "| task | rule | steps | training loss (last 100 steps) | final test metric | seconds |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| data set | model | rule | test error % (mean ± std) | training loss (last 100 steps) "
+        "| W–B angle ° | credit angle ° | steps | seconds |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, runs in results.items():
-        for run in runs:
-            lines.append(
-                f"| {name} | {run.rule} | {run.steps[-1]} | {run.train_loss:.4f} | "
-                f"{tasks[name].metric_name} {run.metric[-1]:.4f} | {run.seconds:.1f} |"
-            )
+    for (task, model, rule), group in _groups(runs).items():
+        errors = [100 * run.error[-1] for run in group]
+        wb = _mean([run.wb_angle[-1] for run in group])
+        credit = _mean([run.credit_angle[-1] for run in group])
+        lines.append(
+            f"| {task} | {model} | {rule} | {_mean(errors):.2f} ± {_spread(errors):.2f} | "
+            f"{_mean([run.train_loss for run in group]):.3f} | "
+            f"{'–' if wb != wb else f'{wb:.1f}'} | {credit:.1f} | {group[0].steps[-1]} | "
+            f"{_mean([run.seconds for run in group]):.1f} |"
+        )
     return "\n".join(lines)
 
 
-def plot_loss(results: dict[str, list[Run]], tasks: dict[str, Task], path: Path) -> None:
-    """One panel per task: the test metric per rule over training."""
-    fig, axes = plt.subplots(1, len(results), figsize=(3.4 * len(results), 2.8), squeeze=False)
-    for ax, (name, runs) in zip(axes[0], results.items(), strict=True):
-        for run in runs:
-            ax.plot(run.steps, run.metric, label=run.rule, color=COLOURS[run.rule], lw=1.4)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel(tasks[name].metric_name)
-        if name == "teacher":
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, frameon=False)
-    fig.tight_layout()
+def biotorch_table() -> str:
+    """BioTorch's published MNIST test errors, for orderings only."""
+    lines = ["| rule | BioTorch, MNIST: test error % |", "| --- | ---: |"]
+    lines += [f"| {rule} | {value} |" for rule, value in BIOTORCH_MNIST.items()]
+    return "\n".join(lines)
+
+
+def report(runs: list[Run], command: str, settings: Settings, seeds: Sequence[int]) -> str:
+    """The Markdown file: settings, the table, BioTorch's figures."""
+    return f"""# Learning rules
+
+Written by `{command}` (torch {torch.__version__}, one CPU thread).
+Settings shared by every rule: plain SGD (no momentum), learning rate {settings.lr},
+weight decay {settings.weight_decay} (also given to `router.update_feedback` for
+Kolen–Pollack and weight mirrors), batch {settings.batch}, {settings.steps} steps,
+seeds {", ".join(map(str, seeds))}; Xavier-uniform weights, zero biases. Test error after
+the last step; the angles are at the last probe (W–B: mean over weight-transport nodes;
+credit: the rule's hidden-layer weight credit against backprop's on 256 training samples,
+mean over layers); seconds of training (probes excluded), mean over seeds.
+
+{table(runs)}
+
+For the reader, BioTorch's published figures (Sanfiz & Akrout, 2021, BioTorch's
+Benchmarks.md). These are **MNIST**, a different data set, model and training schedule:
+compare the orderings of the rules, not the numbers.
+
+{biotorch_table()}
+"""
+
+
+def _panels(n: int, width: float = 3.5, height: float = 2.5) -> tuple[plt.Figure, list[plt.Axes]]:
+    cols = min(2, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.5), squeeze=False)
+    cells = list(axes.flat)
+    for ax in cells[n:]:
+        ax.axis("off")
+    return fig, cells[:n]
+
+
+def _curve(ax: plt.Axes, group: list[Run], values: Callable[[Run], list[float]], rule: str) -> None:
+    steps = group[0].steps
+    series = [values(run) for run in group]
+    mean = [_mean(column) for column in zip(*series, strict=True)]
+    ax.plot(steps, mean, color=COLOURS[rule], ls=STYLES[rule], lw=1.3, label=LABELS[rule])
+
+
+def _legend(fig: plt.Figure, rules: list[str]) -> None:
+    handles = [plt.Line2D([], [], color=COLOURS[r], ls=STYLES[r], lw=1.5) for r in rules]
+    fig.legend(handles, [LABELS[r] for r in rules], loc="upper center", ncol=len(rules),
+               fontsize=8, frameon=False, handlelength=2.2, columnspacing=1.0)
+
+
+def _style(ax: plt.Axes, title: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+
+
+def plot_error(runs: list[Run], path: Path) -> None:
+    """One panel per data set and model: test error per rule over training, mean over seeds."""
+    groups = _groups(runs)
+    pairs = list(dict.fromkeys((task, model) for task, model, _ in groups))
+    rules = list(dict.fromkeys(rule for _, _, rule in groups))
+    fig, cells = _panels(len(pairs))
+    for ax, (task, model) in zip(cells, pairs, strict=True):
+        for rule in rules:
+            if (task, model, rule) in groups:
+                _curve(ax, groups[task, model, rule], lambda run: [100 * e for e in run.error], rule)
+        ax.set_yscale("log")
+        _style(ax, f"{task}, {model}", "test error (%)")
+    _legend(fig, rules)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
     fig.savefig(path, dpi=200)
     plt.close(fig)
 
 
 def plot_alignment(runs: list[Run], path: Path) -> None:
-    """One panel per rule: the angle per hidden layer's weight over training.
+    """Per data set and model: the mean W-B angle over training, and each rule's credit angle.
 
-    Exact credit (0 degrees everywhere) and the readout layer (its weight credit is the
-    exact one under every rule: 0 degrees) are left out.
+    Left column: the angle between B and W (mean over weight-transport nodes) for the
+    rules that hold B; Kolen-Pollack and weight mirrors should fall towards 0 degrees.
+    Right column: the angle between each rule's hidden-layer weight credit and backprop's.
     """
-    runs = [run for run in runs if run.rule != "exact" and run.angles]
-    cols = 3
-    rows = -(-(len(runs) + 1) // cols)  # one cell more for the legend
-    fig, axes = plt.subplots(rows, cols, figsize=(7.0, 2.2 * rows), sharey=True, squeeze=False)
-    cells = list(axes.flat)
-    hidden = list(runs[0].angles)[:-1]  # the readout's weight credit is exact: 0 degrees
-    for ax, run in zip(cells, runs, strict=False):
-        probes = run.steps[: len(run.angles[hidden[0]])]
-        for i, name in enumerate(hidden):
-            ax.plot(probes, run.angles[name], label=name.removesuffix(".weight"), lw=1.3,
-                    color=plt.cm.viridis(i / max(1, len(hidden) - 1) * 0.85))
-        ax.set_title(run.rule.replace("_", " "), fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.axhline(90, color="0.6", lw=0.8, ls=":")
-        ax.set_ylim(0, 100)
-        ax.set_yticks([0, 30, 60, 90])
-        ax.grid(alpha=0.3)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("angle (degrees)")
-    handles, labels = cells[0].get_legend_handles_labels()
-    for ax in cells[len(runs):]:
-        ax.axis("off")
-    cells[-1].legend(handles, labels, loc="center", fontsize=8, frameon=False,
-                     title="hidden layer's weight credit\nvs backprop's (teacher task)",
-                     title_fontsize=8)
-    fig.tight_layout()
+    groups = _groups(runs)
+    pairs = list(dict.fromkeys((task, model) for task, model, _ in groups))
+    rules = [r for r in dict.fromkeys(rule for _, _, rule in groups) if r != "exact"]
+    if not rules:
+        return
+    fig, cells = _panels(2 * len(pairs))
+    for i, (task, model) in enumerate(pairs):
+        left, right = cells[2 * i], cells[2 * i + 1]
+        for rule in rules:
+            group = groups.get((task, model, rule))
+            if group is None:
+                continue
+            if rule in TRANSPORT:
+                _curve(left, group, lambda run: run.wb_angle, rule)
+            _curve(right, group, lambda run: run.credit_angle, rule)
+        _style(left, f"{task}, {model}: B vs W", "angle (degrees)")
+        _style(right, f"{task}, {model}: credit vs backprop's", "angle (degrees)")
+        for ax in (left, right):
+            ax.axhline(90, color="0.6", lw=0.8, ls=":")
+            ax.set_ylim(0, 100)
+            ax.set_yticks([0, 30, 60, 90])
+    _legend(fig, rules)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
     fig.savefig(path, dpi=200)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2000, help="training steps per rule")
-    parser.add_argument("--tasks", nargs="+", default=["teacher", "digits"],
-                        choices=["teacher", "digits"])
+    parser.add_argument("--steps", type=int, default=1500, help="training steps per run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--rules", nargs="+", default=RULES, choices=RULES)
-    parser.add_argument("--probe-every", type=int, default=50, help="steps between probes")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.05, help="every rule's learning rate")
+    parser.add_argument("--weight-decay", type=float, default=1e-3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--probe-every", type=int, default=100, help="steps between probes")
     parser.add_argument("--out", type=Path, default=Path("figures"))
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # small models: threads cost more than they give
+    settings = Settings(args.steps, args.lr, args.weight_decay, args.batch, args.probe_every)
 
-    makers = {"teacher": teacher_task, "digits": digits_task}
-    tasks = {name: task for name in args.tasks if (task := makers[name](args.seed))}
-    results: dict[str, list[Run]] = {}
-    for name, task in tasks.items():
-        for rule in args.rules:
-            run = train(task, rule, args.steps, args.seed, args.probe_every,
-                        angles=name == "teacher")
-            results.setdefault(name, []).append(run)
-            print(f"{name:8s} {rule:26s} {task.metric_name} {run.metric[-1]:.4f} "
-                  f"({run.seconds:.1f} s)", flush=True)
+    makers = {"digits": digits_task, "mnist1d": mnist1d_task}
+    tasks = [task for name in args.tasks if (task := makers[name]())]
+    runs: list[Run] = []
+    start = time.perf_counter()
+    for task in tasks:
+        for model in args.models:
+            for rule in args.rules:
+                for seed in args.seeds:
+                    run = train(task, model, rule, seed, settings)
+                    runs.append(run)
+                    print(f"{task.name:8s} {model:4s} {rule:26s} seed {seed}: test error "
+                          f"{100 * run.error[-1]:5.2f} %, loss {run.train_loss:.3f} "
+                          f"({run.seconds:.1f} s)", flush=True)
+    print(f"{len(runs)} runs in {time.perf_counter() - start:.0f} s")
+    if not runs:
+        return 1
 
     args.out.mkdir(parents=True, exist_ok=True)
-    text = table(results, tasks)
-    (args.out / "learning_rules.md").write_text(
-        f"# Learning rules ({args.steps} steps, seed {args.seed}; "
-        "`python scripts/learning_rules.py`)\n\n" + text + "\n"
-    )
-    print(text)
-    plot_loss(results, tasks, args.out / "learning_rules_loss.png")
-    if "teacher" in results:
-        plot_alignment(results["teacher"], args.out / "learning_rules_alignment.png")
+    command = shlex.join(["python", "scripts/learning_rules.py", *argv])
+    (args.out / "learning_rules.md").write_text(report(runs, command, settings, args.seeds))
+    print(table(runs))
+    plot_error(runs, args.out / "learning_rules_error.png")
+    plot_alignment(runs, args.out / "learning_rules_alignment.png")
     print(f"wrote {args.out / 'learning_rules.md'} and the figures beside it")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

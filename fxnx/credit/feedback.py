@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ..errors import FxnxValueError
 
-__all__ = ["LAWS", "MAX_BYTES", "check_bytes", "check_law", "draw", "fans", "generator", "laid_out_like", "std"]
+__all__ = ["LAWS", "MAX_BYTES", "check_bytes", "check_law", "draw", "fans", "generator", "laid_out_like", "readable", "std"]
 
 #: The laws a feedback weight can be drawn from.
 LAWS = ("xavier", "kaiming")
@@ -66,8 +66,8 @@ def check_bytes(size: int, max_bytes: float | None, where: str) -> None:
     """Refuse feedback weights of ``size`` bytes when over ``max_bytes``, before they are made."""
     if max_bytes is not None and size > max_bytes:
         raise FxnxValueError(
-            f"{where}: feedback weights would take {_bytes(size)}, over the limit of "
-            f"{_bytes(max_bytes)}; raise it with the rule's max_bytes= (e.g. "
+            f"{where}: feedback weights would take {readable(size)}, over the limit of "
+            f"{readable(max_bytes)}; raise it with the rule's max_bytes= (e.g. "
             "fxnx.DirectFeedbackAlignment(max_bytes=8 * 2**30)), or route this node with a rule "
             "that needs less"
         )
@@ -103,7 +103,7 @@ def generator(seed: int, key: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
 
 
-def _bytes(n: float) -> str:
+def readable(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"

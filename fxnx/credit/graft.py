@@ -49,7 +49,7 @@ from .._callinfo import fetch_attr
 from .._compat import pytree, version
 from ..capturing.shapes import node_failure
 from ..errors import FxnxTypeError, FxnxValueError
-from .feedback import check_bytes
+from .feedback import check_bytes, readable
 from .plan import Entry, Plan
 from .record import Credit, NodeCall, call_target, fresh_leaf, run_node, written_input
 from .rules import DirectFeedbackAlignment, Exact, RoutingState, Transport
@@ -623,5 +623,5 @@ def _check_feedback_bytes(spec: list[tuple[Entry, int]], outs: Sequence[Tensor],
         check_bytes(
             total, min(limits),
             f"direct feedback alignment at {len(sizes)} inputs (the largest: node "
-            f"{entry.call.name!r}, input {k}, shape {tuple(shape)}, {size / 2**20:,.1f} MiB)",
+            f"{entry.call.name!r}, input {k}, shape {tuple(shape)}, {readable(size)})",
         )

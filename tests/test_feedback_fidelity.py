@@ -1,0 +1,340 @@
+"""Feedback weights as BioTorch defines them (issue 22): the laws they are drawn from,
+uSF's scale, DFA shared over space and its size limit, Kolen–Pollack and weight mirrors,
+and the W–B alignment measures. Oracles: the laws' variances and formulas written out by
+hand, autograd on a convolution for the dense equivalent of spatial feedback, and SGD's
+update written out by hand."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxnx
+
+f64 = torch.float64
+
+
+def _mlp(*sizes: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes, sizes[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()
+
+
+def _angle(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.reshape(-1).double(), b.reshape(-1).double()
+    return math.degrees(math.acos(max(-1.0, min(1.0, float(a @ b / (a.norm() * b.norm()))))))
+
+
+# -- the laws -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("init", "variance"), [("xavier", 2 / (300 + 200)), ("kaiming", 1 / (3 * 300))])
+def test_feedback_alignment_draws_b_with_the_variance_its_law_defines(init, variance):
+    model = nn.Sequential(nn.Linear(300, 200))
+    x = torch.randn(2, 300)
+    rule = fxnx.FeedbackAlignment(init=init)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule={nn.Linear: rule})
+    router(x).sum().backward()
+    B = router.feedback["_0"]
+    assert B.shape == (200, 300)
+    # 60,000 uniform draws: the sample variance is within 2% of the law's (about 6 sigma)
+    assert abs(float(B.var()) / variance - 1) < 0.02
+    assert abs(float(B.mean())) < 0.01 * math.sqrt(variance) * 10
+
+
+def test_a_convolution_feedback_law_counts_the_kernel_in_its_fans():
+    model = nn.Sequential(nn.Conv2d(16, 32, 5))
+    x = torch.randn(1, 16, 9, 9)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    router(x).sum().backward()
+    B = router.feedback["_0"]
+    fan_in, fan_out = 16 * 25, 32 * 25
+    assert abs(float(B.var()) / (2 / (fan_in + fan_out)) - 1) < 0.03
+    assert float(B.abs().max()) <= math.sqrt(6 / (fan_in + fan_out))
+
+
+def test_draws_are_reproducible_from_the_seed_and_differ_between_seeds():
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    G = fxnx.convert(model, x)
+    one = fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=3).feedback
+    two = fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=3).feedback
+    other = fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=4).feedback
+    assert torch.equal(one["_2"], two["_2"]) and not torch.equal(one["_2"], other["_2"])
+
+
+def test_an_unknown_law_is_refused():
+    with pytest.raises(fxnx.FxnxValueError, match="init must be one of 'xavier', 'kaiming'"):
+        fxnx.FeedbackAlignment(init="he")
+    with pytest.raises(fxnx.FxnxValueError, match="uSF's literal form"):
+        fxnx.SignSymmetry("fixed_random", init="unit")
+
+
+# -- uSF's scale ----------------------------------------------------------------------------------
+
+_SCALES = {  # a (fan_out, fan_in) weight's uSF scale, by law, as BioTorch defines them
+    "xavier": lambda out, in_: math.sqrt(2 / (in_ + out)),
+    "kaiming": lambda out, in_: 1 / math.sqrt(3 * in_),
+    "unit": lambda out, in_: 1.0,  # Liao et al.'s literal sign(W)
+}
+
+
+@pytest.mark.parametrize("init", list(_SCALES))
+def test_usf_credit_is_feedback_alignment_with_b_the_scaled_sign_of_w(init):
+    model = _mlp(5, 7, 3)
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    G = fxnx.convert(model, x)
+    usf = fxnx.route_credit(G, model, x, output_credit=e, rule={nn.Linear: fxnx.SignSymmetry("uniform", init=init)})
+    B = {n: model[i].weight.detach().sign() * _SCALES[init](*model[i].weight.shape) for n, i in (("_0", 0), ("_2", 2))}
+    fa = fxnx.route_credit(G, model, x, output_credit=e, rule="feedback_alignment", feedback=B)
+    for name in ("_1", "_0", "input_1"):
+        a, b = usf.node_credit[name], fa.node_credit[name]
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-13, atol=0), name
+    assert torch.allclose(usf.node_credit["_1"], e @ B["_2"], rtol=1e-13, atol=0)  # by hand
+
+
+# -- DFA shared over space ------------------------------------------------------------------------
+
+class SmallCNN(nn.Module):
+    def __init__(self, conv2: nn.Conv2d, classes: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3, padding=1)
+        self.conv2 = conv2
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc = nn.Linear(conv2.out_channels * 4, classes)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv1(x))
+        h = torch.tanh(self.conv2(h))
+        return self.fc(self.pool(h).flatten(1))
+
+
+def _dense_equivalent(B: torch.Tensor, conv: nn.Conv2d, shape: tuple[int, ...]) -> torch.Tensor:
+    """Push a unit error for each output feature d through the spatial feedback, as a
+    convolution with weight B and conv's geometry run by autograd: row d of the dense B."""
+    rows = []
+    for d in range(B.shape[0]):
+        z = torch.zeros((1, *shape[1:]), dtype=B.dtype, requires_grad=True)
+        y = F.conv2d(z, B, None, conv.stride, conv.padding, conv.dilation)
+        unit = torch.zeros_like(y)
+        unit[:, d] = 1.0
+        (row,) = torch.autograd.grad(y, z, unit)
+        rows.append(row[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("conv2", [
+    dict(kernel_size=3, padding=1), dict(kernel_size=3, stride=2, padding=1),
+    dict(kernel_size=2, dilation=2, padding=1), dict(kernel_size=4, padding="same"),
+    dict(kernel_size=3, padding="valid", groups=3),
+], ids=["pad", "stride", "dilation", "same-odd", "grouped"])
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+def test_spatial_dfa_equals_its_dense_equivalent(conv2):
+    torch.manual_seed(1)
+    model = SmallCNN(nn.Conv2d(3, 6, **conv2)).double()
+    x, e = torch.randn(2, 2, 7, 7, dtype=f64), torch.randn(2, 4, dtype=f64)
+    G = fxnx.convert(model, x)
+    spatial = fxnx.route_credit(G, model, x, output_credit=e, rule="direct_feedback_alignment")
+    B = spatial.feedback["conv2"]
+    assert tuple(B.shape) == (4, 3, *model.conv2.kernel_size)  # classes x C_in x kernel
+    (shape,) = [s for *_, s in G.in_edges("conv2", data="shape")]
+    dense_B = _dense_equivalent(B, model.conv2, shape)
+    dense = fxnx.DirectFeedbackAlignment(spatial=False)
+    fb = {"conv2": dense_B, "fc": spatial.feedback["fc"]}
+    ref = fxnx.route_credit(G, model, x, output_credit=e, rule={nn.Conv2d: dense, nn.Linear: dense}, feedback=fb)
+    assert torch.allclose(spatial.node_credit["conv1"], ref.node_credit["conv1"], rtol=1e-12, atol=1e-14)
+    h1 = torch.tanh(model.conv1(x)).detach()  # conv2's input; its credit is e's projection
+    by_hand = (e @ dense_B.reshape(4, -1)).reshape(shape)
+    assert torch.allclose(spatial.node_credit["tanh"], by_hand, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(spatial.node_credit["conv1"], by_hand * (1 - h1**2), rtol=1e-12, atol=1e-14)
+    for p in spatial.param_credit:
+        assert torch.allclose(spatial.param_credit[p], ref.param_credit[p], rtol=1e-12, atol=1e-14), p
+
+
+def test_spatial_dfa_feedback_does_not_grow_with_the_image():
+    sizes = []
+    for side in (8, 32):
+        model = SmallCNN(nn.Conv2d(3, 6, 3, padding=1))
+        x = torch.randn(2, 2, side, side)
+        router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+        router(x).sum().backward()
+        sizes.append({k: tuple(B.shape) for k, B in router.feedback.items()})
+    assert sizes[0] == sizes[1] == {"conv2": (4, 3, 3, 3), "fc": (4, 24)}
+
+
+def test_feedback_over_the_limit_is_refused_before_it_is_drawn():
+    model = SmallCNN(nn.Conv2d(3, 6, 3, padding=1))
+    x = torch.randn(2, 2, 16, 16)
+    G = fxnx.convert(model, x)
+    dense = fxnx.DirectFeedbackAlignment(spatial=False, max_bytes=10_000)
+    router = fxnx.CreditRouter(G, model, rule={nn.Conv2d: dense, nn.Linear: dense})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # conv2's input: 4 x 3 x 16 x 16 floats = 12,288 bytes; fc's: 4 x 24 = 384 bytes
+    with pytest.raises(fxnx.FxnxValueError, match=r"'conv2'.*12\.0 KiB.*would take 12\.4 KiB, over the limit of 9\.8 KiB.*max_bytes=") as err:
+        router(x)
+    assert "node 'conv2', input 0, shape (4, 3, 16, 16)" in str(err.value)
+    assert router.feedback == {} and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    raised = fxnx.DirectFeedbackAlignment(spatial=False, max_bytes=20_000)
+    router = fxnx.CreditRouter(G, model, rule={nn.Conv2d: raised, nn.Linear: raised})
+    router(x).sum().backward()
+    assert tuple(router.feedback["conv2"].shape) == (4, 3, 16, 16)
+    with pytest.raises(fxnx.FxnxValueError, match=r"feedback_alignment at node '_0' \(shape \(50, 40\), torch.float32\).*7\.8 KiB, over the limit of 1,000 bytes"):
+        model = nn.Sequential(nn.Linear(40, 50))
+        x = torch.randn(2, 40)
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rule={nn.Linear: fxnx.FeedbackAlignment(max_bytes=1000)})(x)
+
+
+# -- Kolen–Pollack and weight mirrors ----------------------------------------------------------------
+
+def test_kolen_pollack_gives_b_the_sgd_step_of_w_by_hand():
+    model = _mlp(5, 7, 3)
+    x, y = torch.randn(6, 5, dtype=f64), torch.randint(0, 3, (6,))
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="kolen_pollack")
+    lr, wd = 0.3, 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd)
+    loss = F.cross_entropy(router(x), y)
+    B1, B2 = (router.feedback[n].clone() for n in ("_0", "_2"))
+    W1, b1, W2 = model[0].weight.detach().clone(), model[0].bias.detach(), model[2].weight.detach().clone()
+    loss.backward()
+    # the FA gradients, by hand: B2 carries the credit back to the hidden layer
+    a = torch.tanh(x @ W1.T + b1)
+    e = (torch.softmax(a @ W2.T + model[2].bias.detach(), 1) - F.one_hot(y, 3)) / len(y)
+    gW2, gW1 = e.T @ a, ((e @ B2) * (1 - a**2)).T @ x
+    assert torch.allclose(model[2].weight.grad, gW2, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(model[0].weight.grad, gW1, rtol=1e-12, atol=1e-15)
+    router.update_feedback(lr=lr, weight_decay=wd)
+    opt.step()
+    for B_old, W_old, g, name, W in ((B1, W1, gW1, "_0", model[0].weight), (B2, W2, gW2, "_2", model[2].weight)):
+        B_new = router.feedback[name]
+        assert torch.allclose(B_new, B_old - lr * (g + wd * B_old), rtol=1e-12, atol=1e-15)
+        assert torch.allclose(W.detach(), W_old - lr * (g + wd * W_old), rtol=1e-12, atol=1e-15)
+        # B received W's update, with the same decay: W - B shrank by (1 - lr * wd)
+        assert torch.allclose(W.detach() - B_new, (1 - lr * wd) * (W_old - B_old), rtol=1e-12, atol=1e-15)
+
+
+def test_kolen_pollack_aligns_b_with_w_on_a_teacher_student_task():
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 5))
+    student = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5))
+    x = torch.randn(64, 20)
+    router = fxnx.CreditRouter(fxnx.convert(student, x), student, rule="kolen_pollack", seed=0)
+    lr, wd = 0.1, 0.05  # W - B shrinks by (1 - lr * wd) per step: to 2% in 800
+    opt = torch.optim.SGD(student.parameters(), lr=lr, weight_decay=wd)
+    router(x)
+    start = router.alignment()
+    for _ in range(800):
+        x = torch.randn(64, 20)
+        opt.zero_grad()
+        F.cross_entropy(router(x), teacher(x).argmax(1)).backward()
+        router.update_feedback(lr=lr, weight_decay=wd)
+        opt.step()
+    end = router.alignment()
+    assert all(start[n]["angle"] > 60 for n in start)  # random B: far from W at first
+    assert all(end[n]["angle"] < 10 for n in end), end
+
+
+@pytest.mark.parametrize("layer", [nn.Linear(12, 9), nn.Conv2d(4, 6, 3, padding=1), nn.Conv1d(4, 6, 3, dilation=2, groups=2)])
+def test_weight_mirrors_bring_b_to_w(layer):
+    torch.manual_seed(0)
+    model = nn.Sequential(layer)
+    x = torch.randn(3, 12) if isinstance(layer, nn.Linear) else torch.randn(3, 4, *[10] * (layer.weight.dim() - 2))
+    x.requires_grad_()  # the layer's input needs credit: its rule is weight mirror
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="weight_mirror")
+    router(x).sum().backward()
+    assert router.alignment()["_0"]["angle"] > 60
+    for _ in range(60):
+        router.update_feedback()
+    fit = router.alignment()["_0"]
+    assert fit["angle"] < 10 and 0.8 < fit["norm_ratio"] < 1.2, fit
+    assert _angle(router.feedback["_0"], layer.weight.detach()) == pytest.approx(fit["angle"], abs=1e-9)
+
+
+def test_weight_mirrors_refuse_a_layer_they_cannot_mirror():
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.att(x, x, x)[0]
+
+    model = Attend()
+    x = torch.randn(2, 3, 8)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="weight_mirror")
+    with pytest.raises(fxnx.FxnxValueError, match=r"weight_mirror at node 'att'.*MultiheadAttention.*KolenPollack"):
+        router(x)
+
+
+def test_update_feedback_says_what_is_missing():
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    G = fxnx.convert(model, x)
+    fa = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    fa(x).sum().backward()
+    with pytest.raises(fxnx.FxnxValueError, match="no node of this router has feedback that learns"):
+        fa.update_feedback(lr=0.1)
+    kp = fxnx.CreditRouter(G, model, rule="kolen_pollack")
+    with pytest.raises(fxnx.FxnxValueError, match="none has run yet"):
+        kp.update_feedback(lr=0.1)
+    kp(x).sum().backward()
+    with pytest.raises(fxnx.FxnxValueError, match="needs the optimizer's lr="):
+        kp.update_feedback()
+
+
+def test_kolen_pollack_warns_when_b_is_never_updated():
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="kolen_pollack")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            router(x).sum().backward()
+            opt.step()
+    messages = [str(w.message) for w in seen if "update_feedback" in str(w.message)]
+    assert len(messages) == 2 and "node '_0'" in messages[0]  # once per node
+
+
+def test_results_hold_copies_of_learned_feedback():
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="kolen_pollack")
+    router(x)
+    res = router.backward(output_credit=torch.ones(4, 3, dtype=f64))
+    kept = res.feedback["_2"].clone()
+    router.update_feedback(lr=1.0, weight_decay=0.5)
+    assert torch.equal(res.feedback["_2"], kept) and not torch.equal(router.feedback["_2"], kept)
+
+
+# -- alignment measures ---------------------------------------------------------------------------
+
+def test_alignment_reports_the_angle_and_norm_ratio_of_w_and_b():
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    G = fxnx.convert(model, x)
+    for rule in ("feedback_alignment", "usf", "brsf", "frsf"):
+        router = fxnx.CreditRouter(G, model, rule=rule)
+        assert router.alignment() == {}
+        router(x).sum().backward()
+        got = router.alignment()
+        for name, layer in (("_0", model[0]), ("_2", model[2])):
+            W = layer.weight.detach()
+            if rule == "feedback_alignment":
+                B = router.feedback[name]
+            elif rule == "usf":
+                B = W.sign() * math.sqrt(2 / sum(W.shape))
+            else:
+                B = W.sign() * router.feedback[name]
+            assert got[name]["angle"] == pytest.approx(_angle(W, B), abs=1e-9), (rule, name)
+            assert got[name]["norm_ratio"] == pytest.approx(float(B.norm() / W.norm()), rel=1e-12)
+    dfa = fxnx.CreditRouter(G, model, rule="direct_feedback_alignment")
+    dfa(x).sum().backward()
+    assert dfa.alignment() == {}  # B is no stand-in for W: nothing to compare
