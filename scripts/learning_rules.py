@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -229,6 +230,8 @@ def train(task: Task, model_name: str, rule: str, seed: int, settings: Settings)
     probe = torch.randperm(len(task.x_train), generator=torch.Generator().manual_seed(seed + 2))
     probe = probe[: settings.probe_batch]
     run = Run(task.name, model_name, rule, seed)
+    with torch.no_grad():
+        router(task.x_train[: settings.batch])  # binds the rules: B at step 0 for the probe
     for step in range(settings.steps + 1):
         if step % settings.probe_every == 0 or step == settings.steps:
             _probe(run, step, G, model, router, task, task.x_train[probe], task.y_train[probe])
@@ -382,6 +385,9 @@ def plot_error(runs: list[Run], path: Path) -> None:
             if (task, model, rule) in groups:
                 _curve(ax, groups[task, model, rule], lambda run: [100 * e for e in run.error], rule)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([1, 2, 5, 10, 20, 50, 100]))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         _style(ax, f"{task}, {model}", "test error (%)")
     _legend(fig, rules)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
@@ -425,15 +431,15 @@ def plot_alignment(runs: list[Run], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1500, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=8000, help="training steps per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--rules", nargs="+", default=RULES, choices=RULES)
-    parser.add_argument("--lr", type=float, default=0.05, help="every rule's learning rate")
+    parser.add_argument("--lr", type=float, default=0.02, help="every rule's learning rate")
     parser.add_argument("--weight-decay", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--probe-every", type=int, default=100, help="steps between probes")
+    parser.add_argument("--probe-every", type=int, default=200, help="steps between probes")
     parser.add_argument("--out", type=Path, default=Path("figures"))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

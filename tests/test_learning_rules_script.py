@@ -1,4 +1,4 @@
-"""scripts/learning_rules.py runs end to end: every rule trains, the table and figures appear."""
+"""scripts/learning_rules.py runs end to end: the rules train, the table and figures appear."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "learning_rules.py"
 
+pytest.importorskip("sklearn")
+pytest.importorskip("mnist1d")
+
 
 def _load():
     spec = importlib.util.spec_from_file_location("learning_rules", SCRIPT)
@@ -19,34 +22,43 @@ def _load():
     return module
 
 
-def test_every_rule_trains_and_the_outputs_are_written(tmp_path):
+def test_the_rules_train_and_the_outputs_are_written(tmp_path):
     script = _load()
-    script.main(["--steps", "4", "--probe-every", "2", "--tasks", "teacher", "--out", str(tmp_path)])
-    rows = [line for line in (tmp_path / "learning_rules.md").read_text().splitlines()
-            if line.startswith("| teacher |")]
-    assert [row.split("|")[2].strip() for row in rows] == script.RULES
-    for name in ("learning_rules_loss.png", "learning_rules_alignment.png"):
+    rules = ["exact", "direct_feedback_alignment", "kolen_pollack", "weight_mirror"]
+    assert script.main(["--steps", "20", "--probe-every", "10", "--seeds", "0", "--rules", *rules,
+                        "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "learning_rules.md").read_text()
+    rows = [line.split("|")[1:4] for line in text.splitlines() if line.startswith(("| digits |", "| mnist1d |"))]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        [task, model, rule] for task in ("digits", "mnist1d") for model in ("mlp", "cnn") for rule in rules
+    ]
+    assert "python scripts/learning_rules.py --steps 20" in text
+    for name in ("learning_rules_error.png", "learning_rules_alignment.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_training_with_the_exact_rule_lowers_the_loss_as_autograd_does():
-    """The script's loop with rule="exact" gives the metric autograd training gives."""
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_the_exact_rule_trains_as_autograd_does(model):
+    """The script's loop with rule="exact" gives plain autograd SGD's losses, bit for bit."""
     import torch
+    import torch.nn.functional as F
 
     script = _load()
-    task = script.teacher_task(0)
-    run = script.train(task, "exact", steps=20, seed=0, probe_every=20, angles=False)
+    task = script.digits_task()
+    settings = script.Settings(steps=10, lr=0.05, weight_decay=1e-3, batch=32, probe_every=10)
+    run = script.train(task, model, "exact", seed=3, settings=settings)
 
-    torch.manual_seed(0)
-    model = task.make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
-    batches = torch.Generator().manual_seed(1)
-    for _ in range(20):
-        idx = torch.randint(len(task.x_train), (task.batch,), generator=batches)
+    torch.manual_seed(3)
+    net = script.make_model(task, model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, weight_decay=1e-3)
+    batches = torch.Generator().manual_seed(4)
+    losses = []
+    for _ in range(10):
+        idx = torch.randint(len(task.x_train), (32,), generator=batches)
         opt.zero_grad()
-        task.loss(model(task.x_train[idx]), task.y_train[idx]).backward()
+        loss = F.cross_entropy(net(task.x_train[idx]), task.y_train[idx])
+        loss.backward()
         opt.step()
-    with torch.no_grad():
-        expected = float(task.metric(model(task.x_test), task.y_test))
-    assert run.metric[-1] == pytest.approx(expected, rel=1e-5)
-    assert run.metric[-1] < run.metric[0]
+        losses.append(loss.item())
+    assert run.losses == losses
+    assert losses[-1] < losses[0]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._compat import version
 from ..errors import FxnxValueError
@@ -114,10 +114,9 @@ class WeightMirror(_Learned):
     its input: ``B ← (1 − rate)·B + rate · E[y ξᵀ] / noise²``. Since ``E[y ξᵀ] =
     noise²·W`` for a linear map, ``B`` tends to ``W``. This is Akrout et al.'s mirror
     update ``ΔB = η·y ξᵀ − λ·B`` with ``η = rate / (batch·noise²)`` and ``λ = rate``.
-    Convolutions are mirrored on noise patches the size of their (dilated) kernel.
-
-    Supported on ``nn.Linear`` and ``nn.Conv1d/2d/3d``; any other weighted node under
-    this rule is refused with an error naming it.
+    Each weight is mirrored on its own: a matrix as a linear map, a convolution's
+    kernel on noise patches of the kernel's size; so every layer feedback alignment
+    reaches (attention projections, functional and exported layers) can mirror.
 
     Parameters
     ----------
@@ -143,34 +142,23 @@ class WeightMirror(_Learned):
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         bound = super().bind(call, seed, feedback)
         if isinstance(bound, WeightMirror):
-            if not isinstance(call.module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-                kind = type(call.module).__qualname__ if call.module is not None else getattr(call.target, "__name__", call.target)
-                raise FxnxValueError(
-                    f"weight_mirror at node {call.name!r}: weight mirrors are supported on nn.Linear "
-                    f"and nn.Conv1d/2d/3d, not {kind}; route this node with another rule, e.g. "
-                    f"rules={{{call.name!r}: fxnx.KolenPollack()}}"
-                )
             bound._noise = fb.generator(self.seed if self.seed is not None else seed, f"{call.name}.mirror")
         return bound
 
     def learn(self, lr: float | None, weight_decay: float) -> None:
-        module = self._call.module
-        W = module.weight.detach()
-        if isinstance(module, nn.Linear):
-            xi = torch.randn((self.batch, W.shape[1]), generator=self._noise, dtype=W.dtype).to(W.device) * self.noise
-            y = F.linear(xi, W)
-            estimate = y.T @ xi
-        else:
-            dims = W.dim() - 2
-            size = [d * (k - 1) + 1 for d, k in zip(module.dilation, module.kernel_size, strict=True)]
-            shape = (self.batch, W.shape[1] * module.groups, *size)
-            xi = torch.randn(shape, generator=self._noise, dtype=W.dtype).to(W.device) * self.noise
-            conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
-            leaf = W.clone().requires_grad_()
-            with torch.enable_grad():
-                y = conv(xi, leaf, None, 1, 0, module.dilation, module.groups)
-                (estimate,) = torch.autograd.grad(y, leaf, y.detach())
         with torch.no_grad():
-            B = self._weights["weight"]
-            B.mul_(1 - self.rate).add_(estimate.to(B.dtype), alpha=self.rate / (self.batch * self.noise**2))
+            for p, W in self._W(self._call).items():
+                B = self._weights[p]
+                B.mul_(1 - self.rate).add_(self._mirrored(W.detach()).to(B.dtype), alpha=self.rate / (self.batch * self.noise**2))
         self._updates += 1
+
+    def _mirrored(self, W: Tensor) -> Tensor:
+        """``Σ y ξᵀ`` over ``batch`` noise samples ``ξ`` through ``W`` alone: a linear map for a
+        matrix; for a convolution's kernel, a convolution over patches the kernel's size
+        (one output position each; grouping and dilation do not change ``E[y ξᵀ] = noise²·W``)."""
+        shape = (self.batch, *W.shape[1:])
+        xi = torch.randn(shape, generator=self._noise, dtype=W.dtype).to(W.device).mul_(self.noise)
+        if W.dim() == 2:
+            return F.linear(xi, W).T @ xi
+        y = (F.conv1d, F.conv2d, F.conv3d)[W.dim() - 3](xi, W)  # (batch, out, 1, ...)
+        return torch.einsum("bo,bi...->oi...", y.reshape(self.batch, -1), xi)
