@@ -21,6 +21,9 @@ The rules:
 - :class:`DirectFeedbackAlignment` (Nøkland, 2016, NeurIPS): a fixed random
   projection of the credit at the *model's output* goes to the node's input.
 
+Feedback weights are drawn as BioTorch draws them (:mod:`fxnx.credit.feedback`);
+feedback that learns (Kolen–Pollack, weight mirrors) is in :mod:`fxnx.credit.learned`.
+
 Under every one of them a layer's own parameters get their exact credit given
 the credit that reached the layer's output.
 """
