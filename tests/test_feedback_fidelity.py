@@ -342,3 +342,38 @@ def test_alignment_reports_the_angle_and_norm_ratio_of_w_and_b():
     dfa = fxnx.CreditRouter(G, model, rule="direct_feedback_alignment")
     dfa(x).sum().backward()
     assert dfa.alignment() == {}  # B is no stand-in for W: nothing to compare
+
+
+# -- every preset trains at backprop's learning rate ------------------------------------------------
+
+@pytest.mark.parametrize("rule", list(fxnx.PRESETS))
+def test_every_preset_trains_the_digits_mlp_with_plain_sgd(rule):
+    """At its defaults and the learning rate backprop uses, no rule diverges (uSF included,
+    which at unit magnitude did: 89% test error)."""
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16
+    y = torch.tensor(digits.target)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    for layer in model[::2]:  # as BioTorch initialises its layers
+        nn.init.xavier_uniform_(layer.weight)
+        nn.init.zeros_(layer.bias)
+    router = fxnx.CreditRouter(fxnx.convert(model, x[:32]), model, rule=rule, seed=0)
+    lr, wd = 0.1, 1e-3
+    opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd)
+    batches = torch.Generator().manual_seed(1)
+    for _ in range(400):
+        idx = torch.randint(1400, (32,), generator=batches)
+        opt.zero_grad()
+        loss = F.cross_entropy(router(x[idx]), y[idx])
+        loss.backward()
+        if rule in ("kolen_pollack", "weight_mirror"):
+            router.update_feedback(lr=lr, weight_decay=wd)
+        opt.step()
+        assert torch.isfinite(loss), rule
+    with torch.no_grad():
+        error = float((model(x[1400:]).argmax(1) != y[1400:]).float().mean())
+    assert error < 0.12, (rule, error)  # chance: 90%
