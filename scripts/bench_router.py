@@ -32,7 +32,7 @@ from torch import nn
 
 import fxnx
 
-PRESETS = ["exact", "feedback_alignment", "usf", "brsf", "frsf", "direct_feedback_alignment"]
+PRESETS = ["exact", "feedback_alignment", "usf", "brsf", "frsf", "direct_feedback_alignment", "kolen_pollack", "weight_mirror"]
 #: model name -> (batch, runs by default)
 MODELS = {
     "mlp100": (1, 40), "mobilenet_v3_small": (4, 12), "resnet18": (8, 6), "resnet50": (8, 3),

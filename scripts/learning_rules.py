@@ -34,6 +34,7 @@ The packages (scikit-learn, mnist1d) come with the ``bench`` extra:
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import statistics
 import sys
@@ -61,11 +62,12 @@ RULES = [
 #: Short names for legends.
 LABELS = dict(zip(RULES, ["BP", "FA", "uSF", "brSF", "frSF", "DFA", "KP", "WM"], strict=True))
 #: Colour-blind-safe colours (Okabe-Ito, and Tol's wine for the eighth), one per rule;
-#: line styles tell the families apart as well (random feedback, sign symmetry, learned).
+#: line styles tell the families apart as well (random feedback solid, DFA dotted, sign
+#: symmetry dashed, learned feedback dash-dotted).
 COLOURS = dict(zip(RULES, [
     "#000000", "#E69F00", "#56B4E9", "#009E73", "#CC79A7", "#D55E00", "#0072B2", "#882255",
 ], strict=True))
-STYLES = dict(zip(RULES, ["-", "-", "--", "--", "--", "-", "-.", "-."], strict=True))
+STYLES = dict(zip(RULES, ["-", "-", "--", "--", "--", ":", "-.", "-."], strict=True))
 #: Rules whose nodes hold feedback weights B in place of W (``router.alignment()``).
 TRANSPORT = ["feedback_alignment", "usf", "brsf", "frsf", "kolen_pollack", "weight_mirror"]
 #: Rules whose feedback weights learn (``router.update_feedback``).
@@ -230,8 +232,7 @@ def train(task: Task, model_name: str, rule: str, seed: int, settings: Settings)
     probe = torch.randperm(len(task.x_train), generator=torch.Generator().manual_seed(seed + 2))
     probe = probe[: settings.probe_batch]
     run = Run(task.name, model_name, rule, seed)
-    with torch.no_grad():
-        router(task.x_train[: settings.batch])  # binds the rules: B at step 0 for the probe
+    router(task.x_train[: settings.batch])  # binds the rules, so that B is there at step 0's probe
     for step in range(settings.steps + 1):
         if step % settings.probe_every == 0 or step == settings.steps:
             _probe(run, step, G, model, router, task, task.x_train[probe], task.y_train[probe])
@@ -278,7 +279,14 @@ def _probe(run: Run, step: int, G, model: nn.Module, router, task: Task, x: Tens
 
 
 def _mean(values: Sequence[float]) -> float:
+    """The mean of the values that are numbers (a dead network's angles are NaN)."""
+    values = [v for v in values if not math.isnan(v)]
     return statistics.fmean(values) if values else float("nan")
+
+
+def failed(run: Run) -> bool:
+    """Training failed: the loss over the last 100 steps is not finite or near chance's (ln 10)."""
+    return not math.isfinite(run.train_loss) or run.train_loss > 2.0
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -297,8 +305,8 @@ def table(runs: list[Run]) -> str:
     """The results as a Markdown table: one row per data set, model and rule."""
     lines = [
         "| data set | model | rule | test error % (mean ± std) | training loss (last 100 steps) "
-        "| W–B angle ° | credit angle ° | steps | seconds |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| W–B angle ° | credit angle ° | failed | steps | seconds |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for (task, model, rule), group in _groups(runs).items():
         errors = [100 * run.error[-1] for run in group]
@@ -307,7 +315,8 @@ def table(runs: list[Run]) -> str:
         lines.append(
             f"| {task} | {model} | {rule} | {_mean(errors):.2f} ± {_spread(errors):.2f} | "
             f"{_mean([run.train_loss for run in group]):.3f} | "
-            f"{'–' if wb != wb else f'{wb:.1f}'} | {credit:.1f} | {group[0].steps[-1]} | "
+            f"{'–' if math.isnan(wb) else f'{wb:.1f}'} | {credit:.1f} | "
+            f"{sum(map(failed, group))} of {len(group)} | {group[0].steps[-1]} | "
             f"{_mean([run.seconds for run in group]):.1f} |"
         )
     return "\n".join(lines)
@@ -331,7 +340,10 @@ Kolen–Pollack and weight mirrors), batch {settings.batch}, {settings.steps} st
 seeds {", ".join(map(str, seeds))}; Xavier-uniform weights, zero biases. Test error after
 the last step; the angles are at the last probe (W–B: mean over weight-transport nodes;
 credit: the rule's hidden-layer weight credit against backprop's on 256 training samples,
-mean over layers); seconds of training (probes excluded), mean over seeds.
+mean over layers; both averaged over the seeds where they are defined); failed: seeds whose
+training loss over the last 100 steps is not finite or above 2.0 (chance: ln 10 = 2.30),
+counted in the mean error all the same; seconds of training (probes excluded), mean over
+seeds.
 
 {table(runs)}
 
@@ -385,7 +397,7 @@ def plot_error(runs: list[Run], path: Path) -> None:
             if (task, model, rule) in groups:
                 _curve(ax, groups[task, model, rule], lambda run: [100 * e for e in run.error], rule)
         ax.set_yscale("log")
-        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([1, 2, 5, 10, 20, 50, 100]))
+        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([1, 2, 3, 5, 7, 10, 20, 30, 50, 70, 100]))
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         _style(ax, f"{task}, {model}", "test error (%)")
