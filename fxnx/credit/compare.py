@@ -11,7 +11,7 @@ from torch import Tensor
 from .._compat import pytree
 from .result import CreditResult
 
-__all__ = ["credit_alignment"]
+__all__ = ["cosine_angle", "credit_alignment", "flat"]
 
 
 def credit_alignment(
@@ -52,21 +52,26 @@ def credit_alignment(
     theirs = reference.param_credit if params else reference.node_credit
     out = {}
     for name, ref in theirs.items():
-        a, b = _flat(ours.get(name)), _flat(ref)
+        a, b = flat(ours.get(name)), flat(ref)
         if a is None or b is None or a.shape != b.shape:
             continue
-        norm_a, norm_b = float(a.norm()), float(b.norm())
-        if norm_a == 0.0 or norm_b == 0.0:
+        cosine, angle = cosine_angle(a, b)
+        if cosine is None:
             continue
-        cosine = max(-1.0, min(1.0, float(a @ b) / (norm_a * norm_b)))
-        out[name] = {
-            "cosine": cosine,
-            "angle": math.degrees(math.acos(cosine)),
-            "rel_error": float((a - b).norm()) / norm_b,
-        }
+        out[name] = {"cosine": cosine, "angle": angle, "rel_error": float((a - b).norm() / b.norm())}
     return out
 
 
-def _flat(credit: Any) -> Tensor | None:
+def cosine_angle(a: Tensor, b: Tensor) -> tuple[float | None, float]:
+    """The cosine of two flat tensors and their angle in degrees ((None, nan) if one is 0)."""
+    norm_a, norm_b = float(a.norm()), float(b.norm())
+    if norm_a == 0.0 or norm_b == 0.0:
+        return None, math.nan
+    cosine = max(-1.0, min(1.0, float(a @ b) / (norm_a * norm_b)))
+    return cosine, math.degrees(math.acos(cosine))
+
+
+def flat(credit: Any) -> Tensor | None:
+    """``credit``'s tensors as one float64 vector, or None where it holds none."""
     tensors = [t.detach().reshape(-1).double() for t in pytree.tree_flatten(credit)[0] if isinstance(t, Tensor)]
     return torch.cat(tensors) if tensors else None

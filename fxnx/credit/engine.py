@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -21,6 +20,7 @@ from ..capturing.options import LeafSpec
 from ..capturing.reuse import inputs_key, placeholders_for, recapture, traced_through
 from ..contract import validate
 from ..errors import FxnxTypeError, FxnxValueError
+from .compare import cosine_angle, flat
 from .graft import Graft, graft
 from .plan import Plan, compile_plan
 from .presets import PRESETS, Preset, check_kinds, lookup
@@ -305,13 +305,9 @@ class CreditRouter(nn.Module):
             if not B:
                 continue
             W = feedback_weights(entry.call)
-            w = torch.cat([W[p].detach().reshape(-1).double() for p in B])
-            b = torch.cat([B[p].detach().reshape(-1).double() for p in B])
-            cosine = float(w @ b) / max(float(w.norm() * b.norm()), 1e-300)
-            out[entry.call.name] = {
-                "angle": math.degrees(math.acos(max(-1.0, min(1.0, cosine)))),
-                "norm_ratio": float(b.norm() / w.norm()),
-            }
+            w, b = flat([W[p] for p in B]), flat(list(B.values()))
+            _, angle = cosine_angle(w, b)
+            out[entry.call.name] = {"angle": angle, "norm_ratio": float(b.norm() / w.norm())}
         return out
 
     def update_feedback(self, lr: float | None = None, weight_decay: float = 0.0) -> None:

@@ -582,7 +582,7 @@ class _Tap(torch.autograd.Function):
                     f"({', '.join(map(str, sorted(b for b in batch if b is not None))) or 'none'}); "
                     f"route this node another way, e.g. rules={{{entry.call.name!r}: Exact()}}"
                 )
-        if spec:
+        if any(not entry.rule.drawn(k) for entry, k in spec):  # before the first draws only
             _check_feedback_bytes(spec, outs, projected)
         ctx.spec, ctx.state, ctx.where = spec, state, (leaves, tree, slots)
         ctx.shapes = [x.shape if isinstance(x, Tensor) else None for x in projected]

@@ -29,7 +29,7 @@ from .._compat import version
 from ..errors import FxnxValueError
 from . import feedback as fb
 from .record import NodeCall
-from .rules import FeedbackAlignment, Rule
+from .rules import FeedbackAlignment, Rule, _public
 from .transport import feedback_weights
 
 __all__ = ["KolenPollack", "WeightMirror"]
@@ -42,21 +42,19 @@ class _Learned(FeedbackAlignment):
         bound = super().bind(call, seed, feedback)
         if not isinstance(bound, _Learned):  # a weightless node: routed exactly
             return bound
-        bound._weights = {p: fb.laid_out_like(B.clone(), bound._W(call)[p]) for p, B in bound._weights.items()}
-        bound.feedback = next(iter(bound._weights.values())) if len(bound._weights) == 1 else bound._weights
+        weights = feedback_weights(call)
+        # its own B (a user's feedback is not written to), laid out like W to be updated in place
+        bound._weights = {p: fb.laid_out_like(B.clone(), weights[p]) for p, B in bound._weights.items()}
+        bound.feedback = _public(bound._weights)
         bound._call = call
         bound._updates = 0
-        bound._versions = {p: version(W) for p, W in bound._W(call).items()}
+        bound._versions = {p: version(W) for p, W in weights.items()}
         bound._warned = False
         return bound
 
-    @staticmethod
-    def _W(call: NodeCall) -> dict[str, Tensor]:
-        return feedback_weights(call)
-
     def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
         if not self._updates and not self._warned and any(
-            version(W) != self._versions[p] for p, W in self._W(call).items()
+            version(W) != self._versions[p] for p, W in feedback_weights(call).items()
         ):
             self._warned = True
             warnings.warn(
@@ -96,7 +94,7 @@ class KolenPollack(_Learned):
                 "update_feedback needs the optimizer's lr= (and weight_decay=)"
             )
         with torch.no_grad():
-            for p, W in self._W(self._call).items():
+            for p, W in feedback_weights(self._call).items():
                 if W.grad is None:
                     continue
                 B = self._weights[p]
@@ -147,7 +145,7 @@ class WeightMirror(_Learned):
 
     def learn(self, lr: float | None, weight_decay: float) -> None:
         with torch.no_grad():
-            for p, W in self._W(self._call).items():
+            for p, W in feedback_weights(self._call).items():
                 B = self._weights[p]
                 B.mul_(1 - self.rate).add_(self._mirrored(W.detach()).to(B.dtype), alpha=self.rate / (self.batch * self.noise**2))
         self._updates += 1

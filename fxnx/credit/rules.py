@@ -255,7 +255,7 @@ class FeedbackAlignment(_Drawn, Transport):
         return self._weights
 
     def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
-        return self._weights
+        return self._weights  # not feedback_for, which learned feedback overrides to warn
 
 
 _VARIANTS = {"uniform": "usf", "batch_random": "brsf", "fixed_random": "frsf"}
@@ -325,12 +325,13 @@ class SignSymmetry(_Drawn, Transport):
         bound._seed = seed if self.seed is None else self.seed
         bound._draws = 0
         bound._pending = None
+        bound._magnitudes = None  # M per weight: a number (uSF) or a tensor like W
         if self.magnitude == "uniform":
             if feedback is not None:
                 raise FxnxValueError(
                     f"feedback was given for node {call.name!r}, but {self.name} uses sign(W) alone"
                 )
-            bound._scales = {p: 1.0 if self.init == "unit" else fb.std(self.init, W.shape) for p, W in weights.items()}
+            bound._magnitudes = {p: 1.0 if self.init == "unit" else fb.std(self.init, W.shape) for p, W in weights.items()}
         elif self.magnitude == "fixed_random":
             bound._magnitudes = (
                 _given(call, weights, feedback) if feedback is not None
@@ -344,25 +345,20 @@ class SignSymmetry(_Drawn, Transport):
         return bound
 
     def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
-        weights = feedback_weights(call)
-        if self.magnitude == "uniform":
-            return {p: W.detach().sign().mul_(self._scales[p]) for p, W in weights.items()}
         if self.magnitude == "batch_random":
             self._draws += 1
             self._magnitudes = self._pending or {
                 p: self._draw(call, self._seed, f"{_key(call, p)}@{self._draws}", W.shape, W).abs_()
-                for p, W in weights.items()
+                for p, W in feedback_weights(call).items()
             }
             self._pending = None
             self.feedback = _public(self._magnitudes)
-        return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in weights.items()}
+        return self.feedback_now(call)
 
     def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
-        if self.magnitude == "batch_random" and not hasattr(self, "_magnitudes"):
+        if self._magnitudes is None:  # brSF before its first draw
             return {}
-        if self.magnitude == "batch_random":
-            return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in feedback_weights(call).items()}
-        return self.feedback_for(call)
+        return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in feedback_weights(call).items()}
 
 
 class DirectFeedbackAlignment(_Drawn):
@@ -456,9 +452,17 @@ class DirectFeedbackAlignment(_Drawn):
             inputs[i] = self.sent(call, i, e, x.shape, x.dtype)
         return inputs, params
 
+    def _spatial(self, i: int) -> bool:
+        """Whether input ``i`` gets feedback shared over space (a convolution's data input)."""
+        return i == 0 and self._geometry is not None
+
+    def drawn(self, i: int) -> bool:
+        """Whether input ``i``'s ``B`` exists (given, or drawn on an earlier step)."""
+        return i < len(self._B) and self._B[i] is not None
+
     def feedback_shape(self, i: int, d: int, shape: Sequence[int]) -> tuple[int, ...]:
         """The shape of ``B`` for input ``i`` of shape ``shape``, with ``d`` output features."""
-        if i == 0 and self._geometry is not None:
+        if self._spatial(i):
             return (d, shape[1], *self._geometry.kernel)
         return (d, *shape[1:])
 
@@ -466,7 +470,7 @@ class DirectFeedbackAlignment(_Drawn):
         """The credit input ``i`` (of ``shape``) gets for output credit ``e`` of shape ``(N, D)``."""
         B = self.projection(call, i, e, shape, dtype)
         e = e.to(B.dtype)
-        if i == 0 and self._geometry is not None:
+        if self._spatial(i):
             return self._geometry.credit(e, B, shape).to(dtype)
         return (e @ B.reshape(e.shape[1], -1)).reshape(shape).to(dtype)
 
@@ -479,16 +483,16 @@ class DirectFeedbackAlignment(_Drawn):
         B = self._B[i]
         if B is None:
             like = torch.empty((), dtype=dtype, device=e.device)
-            dense = (want[0], math.prod(want[1:]))
-            flat = len(want) > 2 and not (i == 0 and self._geometry is not None)
-            B = self._draw(call, self._seed, f"{call.name}.dfa{i}", dense if flat else want, like).reshape(want)
+            # the dense form's law sees the (D, input size) matrix it is
+            drawn = want if self._spatial(i) else (want[0], math.prod(want[1:]))
+            B = self._draw(call, self._seed, f"{call.name}.dfa{i}", drawn, like).reshape(want)
             self._B[i] = B
             self.feedback = B if len(self._B) == 1 else tuple(self._B)
         elif tuple(B.shape) != want:
             layout = (
                 "output features, input channels, then the kernel's size: feedback shared over space; "
                 "DirectFeedbackAlignment(spatial=False) takes the dense form"
-                if i == 0 and self._geometry is not None
+                if self._spatial(i)
                 else "output features, then the input's shape without its batch dimension"
             )
             raise FxnxValueError(
