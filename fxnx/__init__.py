@@ -36,6 +36,7 @@ from .contract import (
 )
 from .errors import (
     CaptureError,
+    ConcurrentUseError,
     FxnxError,
     FxnxTypeError,
     FxnxValueError,
@@ -83,6 +84,7 @@ __all__ = [
     "Capture",
     "CaptureError",
     "CaptureOptions",
+    "ConcurrentUseError",
     "CreditResult",
     "CreditRouter",
     "DirectFeedbackAlignment",

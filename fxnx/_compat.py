@@ -30,6 +30,7 @@ __all__ = [
     "OpOverload",
     "VALUE_READS",
     "extract_tensor_metadata",
+    "global_module_hooks",
     "graph_module",
     "is_fake",
     "make_fx_following_values",
@@ -39,7 +40,6 @@ __all__ = [
     "pytree",
     "qualified_function_name",
     "schema_signature",
-    "module_bindings",
     "sequence_nr",
     "version",
 ]
@@ -108,17 +108,16 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "make_fx's default: such models fail on that route and the ladder reports it",
     ),
     (
-        "torch.nn.Module._modules, _parameters, _buffers",
-        "CreditRouter's check, every call, that no module the capture traced through has a "
-        "submodule, parameter, buffer or attribute bound to another object since (identities, "
-        "compared in C)",
-        "the router checks the model's whole structure every call, as route_credit does "
-        "(slower on small models)",
+        "torch.nn.modules.module._global_forward_hooks and the other global hook tables",
+        "capture reuse: a hook registered for every module since the capture makes fxnx "
+        "capture again",
+        "a global hook registered after the capture is not seen by a reused capture",
     ),
     (
         "torch.Tensor._version",
         "route_credit: telling which node's value a later node writes into in place, so that "
-        "each node's credit is that of the value it computed",
+        "each node's credit is that of the value it computed; capture reuse: a tensor "
+        "attribute written in place since the capture",
         "no such writes are told apart: credit at a value written in place later is that of "
         "the written value",
     ),
@@ -293,14 +292,15 @@ def version(tensor: torch.Tensor) -> int:
     return int(getattr(tensor, "_version", 0))
 
 
-def module_bindings(modules: list[torch.nn.Module]) -> list[tuple[int, ...]] | None:
-    """For each module, the identities of what its attributes, submodules, parameters and
-    buffers are bound to; None where this torch keeps them elsewhere."""
-    try:
-        return [
-            (*map(id, vars(m).values()), -1, *map(id, m._modules.values()), -1,
-             *map(id, m._parameters.values()), -1, *map(id, m._buffers.values()))
-            for m in modules
-        ]
-    except AttributeError:  # pragma: no cover
-        return None
+def global_module_hooks() -> tuple[Any, ...]:
+    """The hooks registered for every module (``register_module_forward_hook`` and its
+    kin), which run inside any forward; empty where this torch keeps them elsewhere."""
+    from torch.nn.modules import module
+
+    return tuple(
+        getattr(module, name) for name in (
+            "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+            "_global_backward_hooks", "_global_forward_hooks_always_called",
+            "_global_forward_hooks_with_kwargs", "_global_is_full_backward_hook",
+        ) if hasattr(module, name)
+    )

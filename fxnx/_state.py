@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,8 +15,9 @@ __all__ = ["preserved"]
 
 @contextlib.contextmanager
 def preserved(model: Any) -> Iterator[None]:
-    """Restore buffers (BatchNorm running stats, ``num_batches_tracked``) and the CPU random
-    state when the block ends, so running the model inside it changes nothing the user sees.
+    """Restore buffers (BatchNorm running stats, ``num_batches_tracked``), torch's CPU random
+    state and Python's ``random`` state when the block ends, so running the model inside it
+    changes nothing the user sees; buffers nothing wrote are not touched at all.
 
     Examples
     --------
@@ -27,10 +29,17 @@ def preserved(model: Any) -> Iterator[None]:
     """
     buffers = list(model.buffers()) if isinstance(model, nn.Module) else []
     saved = [b.detach().clone() for b in buffers]
+    state = random.getstate()
     with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
+            random.setstate(state)
             with torch.no_grad():
+                # Only buffers whose values changed, and past autograd's version counter (as
+                # BatchNorm's own update of its statistics is): a counted write would break a
+                # backward of the user's that saved the buffer, though it gets back the very
+                # values that backward saved.
                 for buf, old in zip(buffers, saved, strict=True):
-                    buf.copy_(old)
+                    if not buf.is_meta and not torch.equal(buf, old):
+                        buf.data.copy_(old)

@@ -13,6 +13,7 @@ import warnings
 
 __all__ = [
     "CaptureError",
+    "ConcurrentUseError",
     "FxnxError",
     "FxnxTypeError",
     "FxnxValueError",
@@ -48,6 +49,10 @@ class CaptureError(FxnxError, RuntimeError):
 
     The message names the source line that stopped tracing and what to do about it.
     """
+
+
+class ConcurrentUseError(FxnxError, RuntimeError):
+    """Another thread ran the model while fxnx captured it, so the capture may hold its calls."""
 
 
 class GraphFileError(FxnxError, ValueError):

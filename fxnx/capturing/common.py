@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 from torch import nn
 
+from ..errors import ConcurrentUseError
+
 if TYPE_CHECKING:
     from .inputs import Inputs
     from .make_fx import AtenCapture
     from .options import CaptureOptions
 
-__all__ = ["FunctionModule", "Route", "RouteResult", "as_module", "quiet"]
+__all__ = ["FunctionModule", "Route", "RouteResult", "alone", "as_module", "quiet"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +111,36 @@ def quiet() -> Iterator[None]:
             yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def alone(model: Any) -> Iterator[None]:
+    """Refuse a capture during which another thread called one of ``model``'s modules.
+
+    torch.export and make_fx change process-wide state while they trace (the
+    module call and the tensor modes they install), so another thread's forward
+    through the same modules can reach the graph or break the trace. The check is
+    a forward pre-hook for every module while the block runs.
+    """
+    if not isinstance(model, nn.Module):
+        yield
+        return
+    mine, owner = {id(m) for m in model.modules()}, threading.get_ident()
+    others: list[str] = []
+
+    def seen(module: nn.Module, args: Any) -> None:
+        if id(module) in mine and threading.get_ident() != owner and not others:
+            others.append(type(module).__qualname__)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(seen)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if others:
+            raise ConcurrentUseError(
+                f"another thread ran {type(model).__qualname__} (its {others[0]} module) while "
+                "fxnx captured it with torch.export or make_fx, which trace the whole process: "
+                "the graph could hold that thread's calls. Convert it while no other thread "
+                "runs the model"
+            )

@@ -107,6 +107,12 @@ def _bind_inputs(
         raise FxnxTypeError(
             f"the example inputs do not fit {qualname(model)}.forward{sig}: {err}"
         ) from err
+    both = sorted(bound.arguments.keys() & concrete_args.keys())
+    if both:
+        raise FxnxTypeError(
+            f"{both[0]!r} is given both as an input of {qualname(model)}.forward and in "
+            "concrete_args, which fixes it while tracing; give it in one place"
+        )
     missing = [p.name for p in required if p.name not in bound.arguments]
     if missing:
         raise FxnxTypeError(

@@ -11,6 +11,7 @@ with the source line or node that caused them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from torch import nn
 
 from .._compat import pytree
 from ..errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
-from .common import as_module
+from .common import alone, as_module
 from .inputs import Inputs, bind_inputs, empty_inputs, placeholder_values, qualname
 from .make_fx import AtenCapture, capture_aten
 from .options import CaptureOptions, LeafSpec, check_level, concrete_items, leaf_names
@@ -298,7 +299,8 @@ def _ladder(
         try:
             if route.needs_inputs and inputs is None:
                 raise CaptureError(f"{name} needs example inputs (or input_shape=) to run the model")
-            result = route.run(model, inputs, options, fake)
+            with alone(model) if route.level == "aten" else contextlib.nullcontext():
+                result = route.run(model, inputs, options, fake)
         except CaptureError as err:
             failures.append((name, first_line(err)))
             errors.append(err)
@@ -332,9 +334,10 @@ def _capture_aten(model: Any, inputs: Inputs | None, options: CaptureOptions, fa
         raise FxnxTypeError(
             f"level={level!r} runs the model: pass example inputs or input_shape="
         )
-    result = capture_aten(
-        as_module(model), inputs.args, inputs.kwargs, joint=level == "joint", fake=fake
-    )
+    with alone(model):
+        result = capture_aten(
+            as_module(model), inputs.args, inputs.kwargs, joint=level == "joint", fake=fake
+        )
     _warn_specialised("make_fx", result.specialised)
     return Capture(
         gm=result.gm, model=model, options=options.captured("make_fx", ()), propagated=True,

@@ -27,6 +27,7 @@ __all__ = [
     "check_level",
     "concrete_items",
     "leaf_names",
+    "plain_equal",
     "qualified_class_name",
 ]
 
@@ -187,6 +188,13 @@ def concrete_items(concrete_args: Mapping[str, Any] | None) -> tuple[tuple[str, 
     if bad:
         raise FxnxTypeError(f"concrete_args keys must be parameter names (str), got {bad[0]!r}")
     return tuple(sorted(items.items()))
+
+
+def plain_equal(value: Any, recorded: Any) -> bool:
+    """Whether ``value`` is the value a graph records as ``recorded`` (as plain data: a tuple
+    is recorded as a list)."""
+    plain = _plain_or_marker(value)
+    return type(plain) is type(recorded) and plain == recorded
 
 
 def check_level(level: str) -> None:

@@ -8,8 +8,9 @@ itself, outside its data (``vars(G)``, never ``G.graph``: files do not hold
 it, and it lives exactly as long as ``G`` does, with no global table that
 could keep a model alive), keyed by
 everything it depends on: the model, the capture options, the model's
-structure (module classes and identities, training modes, the modules' own
-plain attributes, parameter and buffer names, shapes, dtypes and devices) and
+structure (module classes and identities, parameter and buffer names, shapes, dtypes
+and devices, and every attribute any module holds, by value: see
+:mod:`~fxnx.capturing.fingerprint`) and
 the inputs' structure (dtypes of tensors and, unless the graph was specialised
 to the example's shapes, their shapes; other values as they are). Parameter *values* may change between calls, as an optimizer changes
 them in place; the graph reads them from the model's own modules and
@@ -30,9 +31,10 @@ from torch import nn
 
 from .._compat import pytree
 from ..errors import FxnxValueError
+from .fingerprint import fingerprint
 from .inputs import bind_inputs, placeholder_values
 from .ladder import Capture, capture
-from .options import CaptureOptions, LeafSpec, concrete_items, leaf_names
+from .options import CaptureOptions, LeafSpec, concrete_items, leaf_names, plain_equal
 from .registry import ROUTES
 
 __all__ = ["inputs_key", "kept_on", "options_of", "placeholders_for", "recapture", "traced_through"]
@@ -56,19 +58,14 @@ def recapture(
     ``G.graph["capture_options"]``, or reused from an earlier call for ``G`` with the same
     model structure, inputs and options.
 
-    ``leaf_modules`` and ``concrete_args``, when given, replace the stored ones
-    (a graph that could not store a ``concrete_args`` value needs it again).
+    ``leaf_modules``, when given, replace the stored ones. ``concrete_args`` change what
+    the model computes, so the stored ones are a record, never applied: the caller's must
+    name the same inputs with the same values (see :func:`_callers`).
     """
     options = options_of(G)
     if leaf_modules:
         options = dataclasses.replace(options, leaf_modules=leaf_names(leaf_modules))
-    if concrete_args:
-        options = dataclasses.replace(options, concrete_args=concrete_items(concrete_args))
-    if options.unstored:
-        raise FxnxValueError(
-            f"G was converted with concrete_args {options.unstored}, values a graph cannot "
-            "store; pass them again: route_credit(..., concrete_args={...})"
-        )
+    options = dataclasses.replace(options, concrete_args=_callers(options, concrete_items(concrete_args)))
     keywords = options.replay().keywords()
     if not isinstance(model, nn.Module):
         return capture(model, args, kwargs, propagate=False, **keywords)
@@ -87,6 +84,37 @@ def recapture(
             del kept[next(iter(kept))]
         return cap
     return dataclasses.replace(cached, model=model, inputs=placeholders_for(cached, model, args, kwargs))
+
+
+def _callers(stored: CaptureOptions, given: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """The caller's ``concrete_args``, checked against those ``G`` records.
+
+    A graph file is data from anywhere: what it says was fixed while tracing must not
+    fix anything in the caller's model. The caller passes the values; they must be
+    the ones the graph was made with, or the graph is not this computation's.
+    """
+    recorded = dict(stored.concrete_args)
+    values = dict(given)
+    for name in sorted(recorded.keys() - values.keys()):
+        shown = "a value a graph cannot store" if name in stored.unstored else f"{recorded[name]!r}"
+        raise FxnxValueError(
+            f"G was converted with concrete_args {name!r} fixed to {shown}; fxnx never applies "
+            "a graph's stored concrete_args to your model: pass them yourself, "
+            f"concrete_args={{{name!r}: ...}}, with the value you converted with"
+        )
+    for name in sorted(values.keys() - recorded.keys()):
+        raise FxnxValueError(
+            f"concrete_args {name!r} was not fixed when G was converted; convert the model "
+            f"again with concrete_args={{{name!r}: {values[name]!r}}} to route with it fixed"
+        )
+    for name, value in sorted(values.items()):
+        if name not in stored.unstored and not plain_equal(value, recorded[name]):
+            raise FxnxValueError(
+                f"concrete_args {name!r} is {value!r} here, but G was converted with "
+                f"{recorded[name]!r}: G is the graph of another computation; convert the "
+                f"model again with concrete_args={{{name!r}: {value!r}}}"
+            )
+    return given
 
 
 def placeholders_for(
@@ -119,7 +147,20 @@ def options_of(G: nx.MultiDiGraph) -> CaptureOptions:
     ('export',)
     """
     if "capture_options" in G.graph:
-        return CaptureOptions.from_plain(G.graph["capture_options"])
+        try:
+            options = CaptureOptions.from_plain(G.graph["capture_options"])
+        except (KeyError, TypeError, AttributeError) as err:
+            raise FxnxValueError(
+                f"G.graph['capture_options'] is not a record fxnx wrote ({type(err).__name__}: "
+                f"{err}); convert the model again"
+            ) from None
+        if options.route != G.graph.get("capture"):
+            raise FxnxValueError(
+                f"G.graph['capture_options'] says route {options.route!r} made the graph, but "
+                f"G.graph['capture'] says {G.graph.get('capture')!r}: the graph's record "
+                "contradicts itself; convert the model again"
+            )
+        return options
     # A graph of format 1 (before capture_options): its route, and what it kept whole.
     route = G.graph.get("capture")
     return CaptureOptions(
@@ -155,28 +196,14 @@ def _structure(model: nn.Module) -> tuple[Any, ...]:
     """What a captured graph of ``model`` depends on, besides the inputs."""
     # Identities too: a graph calls the very modules and reads the very parameters it was
     # captured with (the cached graph keeps them alive, so their ids are not reused).
-    # Plain attributes too: symbolic tracing bakes `self.scale` into the graph as a constant.
+    # Every attribute by value too (fingerprint): a trace bakes in what the forward read.
+    named = list(model.named_modules())
     return (
-        tuple((path, id(m), type(m), _attributes(m)) for path, m in model.named_modules()),
+        tuple((path, id(m), type(m)) for path, m in named),
         tuple((n, id(p), p.shape, p.dtype, p.device, p.requires_grad)
               for n, p in model.named_parameters()),
         tuple((n, id(b), b.shape, b.dtype, b.device) for n, b in model.named_buffers()),
-    )
-
-
-def _attributes(module: nn.Module) -> tuple[Any, ...]:
-    """A module's own public attributes that a trace bakes in: plain values (``training``,
-    ``scale``) as they are, tensors and functions (a patched ``forward``) by identity.
-
-    Other objects (configs, dicts a model rebuilds on every call, as transformers does
-    with ``all_tied_weights_keys``) are left out: by identity they would never match.
-    """
-    return tuple(
-        (name, value if value is None or type(value) in (bool, int, float, str) else id(value))
-        for name, value in vars(module).items()
-        if not name.startswith("_")
-        and (value is None or type(value) in (bool, int, float, str)
-             or isinstance(value, torch.Tensor) or callable(value))
+        fingerprint(m for _, m in named),
     )
 
 

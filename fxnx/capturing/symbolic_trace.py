@@ -45,6 +45,12 @@ def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool)
     ladder goes on: traced with them as placeholders, ``if mask is not None``
     would take the wrong branch.
     """
+    if isinstance(model, nn.Module) and "forward" in vars(model):
+        # torch.fx traces type(model).forward; the instance's own would be ignored.
+        raise CaptureError(
+            f"{type(model).__qualname__}.forward is replaced on this instance, and torch.fx "
+            "traces the class's forward"
+        )
     defaulted = inputs.defaulted if inputs is not None else {}
     fixed = {k: v for k, v in defaulted.items() if v is None or type(v) in (bool, int, float, str)}
     concrete = {**fixed, **dict(options.concrete_args)}
@@ -58,6 +64,13 @@ def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool)
     if inputs is not None and not fake:
         values = {**inputs.arguments, **concrete}
     gm, opaque, evaluated = _trace(model, options, concrete, values)
+    read = [n.target for n in gm.graph.nodes if n.op == "placeholder"
+            and str(n.target).startswith("**") and n.users]
+    if read:
+        # torch.fx runs a graph with positional values only: ``**kwargs`` would get a list.
+        raise CaptureError(
+            f"forward reads {read[0]}, which a torch.fx graph cannot be called with"
+        )
     if fixed:
         _drop_placeholders(gm)
     return RouteResult(gm, opaque=tuple(opaque), shape_specialised=evaluated)

@@ -27,6 +27,7 @@ import contextlib
 import dis
 import functools
 import inspect
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -121,12 +122,22 @@ class Tracer(fx.Tracer):
         self.answers = answers
         self.asked = 0
         self._tensor_names: tuple[dict[int, str], dict[int, str]] | None = None
+        self.thread = threading.get_ident()
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._tensor_names = None  # the root's parameters and buffers, named afresh per trace
         return super().trace(root, concrete_args)
 
+    # torch.fx patches nn.Module's __call__ and __getattr__ for every thread while it traces;
+    # another thread running a model meanwhile gets plain calls and values, not recorded.
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        if threading.get_ident() != self.thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if threading.get_ident() != self.thread:
+            return attr_val
         name = self._tensor_name(attr_val, buffers=self.proxy_buffer_attributes)
         if name is None or self.param_shapes_constant:
             return super().getattr(attr, attr_val, parameter_proxy_cache)
@@ -139,6 +150,10 @@ class Tracer(fx.Tracer):
             return a.node  # modules and opaque types (most arguments are proxies)
         if type(a) in _PLAIN_ARGS:
             return a
+        if type(a).__module__ == "numpy" and getattr(a, "shape", None) == ():
+            # A NumPy scalar (self.gain = np.float64(2.0)): torch takes it as the Python
+            # number it holds, and a graph's generated code cannot spell NumPy's repr.
+            return a.item()
         name = self._tensor_name(a, buffers=True)
         if name is None:
             return super().create_arg(a)

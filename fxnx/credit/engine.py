@@ -12,14 +12,16 @@ import networkx as nx
 import torch
 from torch import Tensor, nn
 
-from .._compat import module_bindings, pytree
+from .._compat import pytree
 from .._state import preserved
 from ..capturing import TRACING_LOCK
+from ..capturing.fingerprint import fingerprint
 from ..capturing.ladder import Capture
 from ..capturing.options import LeafSpec
 from ..capturing.reuse import inputs_key, placeholders_for, recapture, traced_through
 from ..contract import validate
 from ..errors import FxnxTypeError, FxnxValueError
+from . import feedback as fb
 from .compare import cosine_angle, flat
 from .graft import Graft, graft
 from .plan import Plan, compile_plan
@@ -82,10 +84,12 @@ class CreditRouter(nn.Module):
         Keep every node's value from the forward, so that
         ``router.backward(..., node_credit=True)`` reports the credit at every
         node (memory: every activation is kept until that backward).
-    leaf_modules, concrete_args
+    leaf_modules : optional
         Rarely needed: ``G`` carries the options it was captured with
-        (``G.graph["capture_options"]``), and these replace the stored ones;
-        give ``concrete_args`` again only where they were not plain data.
+        (``G.graph["capture_options"]``); these replace the stored ones.
+    concrete_args : mapping, optional
+        The ``concrete_args`` ``G`` was converted with, if any: they change what the model
+        computes, so the ones ``G`` stores are checked against these, never applied.
 
     Raises
     ------
@@ -147,6 +151,12 @@ class CreditRouter(nn.Module):
         self._by_name = {k: v for k, v in overrides.items() if isinstance(k, str)}
         self._by_kind = {k: v for k, v in overrides.items() if not isinstance(k, str)}
         check_kinds(self._by_kind, "rules")
+        seed = fb.check_seed(seed, "CreditRouter")
+        if feedback is not None and not isinstance(feedback, Mapping):
+            raise FxnxTypeError(
+                f"feedback must map node names to feedback weights (router.feedback, "
+                f"CreditResult.feedback), got {type(feedback).__qualname__}"
+            )
         unknown = sorted(set(self._by_name) - set(G))
         unknown_fb = sorted(set(feedback or {}) - set(G))
         if unknown or unknown_fb:
@@ -340,9 +350,9 @@ class CreditRouter(nn.Module):
         values to call it with.
 
         The last capture is reused at once while a cheap guard holds: the inputs' structure,
-        which parameters are trainable, and what every module the capture traced through has
-        its attributes, submodules, parameters and buffers bound to (modules the graph calls
-        run their own code live). Otherwise the model's whole structure is keyed again
+        which parameters are trainable, and the fingerprint of every module the capture
+        traced through (every attribute by value; modules the graph calls run their own code
+        live). Otherwise the model's whole structure is keyed again
         (:func:`~fxnx.capturing.reuse.recapture`), capturing again where it changed.
         """
         fast = self._fast.get(collect)
@@ -373,11 +383,10 @@ class CreditRouter(nn.Module):
 
     def _guard(self, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Any:
         watched = self._watched.get(id(cap.gm))
-        bindings = module_bindings(watched) if watched is not None else None
-        if bindings is None:
+        if watched is None:
             return object()  # never equal: key the whole structure again
         params = [p.requires_grad for p in self._plan.params.values()] if self._plan else []
-        return (inputs_key(inputs, kwargs, shapes=cap.shape_specialised), params, bindings)
+        return (inputs_key(inputs, kwargs, shapes=cap.shape_specialised), params, fingerprint(watched))
 
     def _choose(self, call: NodeCall) -> tuple[Any, str]:
         """The rule bound to ``call``'s node: the user's by name, by kind, the preset's, exact."""
@@ -538,6 +547,14 @@ def output_credit_like(output: Any, given: Any) -> list[Any]:
     """``given`` checked against the output's structure and shapes, as one credit per leaf of
     ``output`` (``tree_flatten`` order); None means ones."""
     if given is None:
+        complex_ = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor) and t.is_complex()]
+        if complex_:
+            raise FxnxValueError(
+                f"the model's output is complex ({complex_[0].dtype}), and autograd takes no "
+                "implicit credit for a complex output (output.sum() is not real): pass "
+                "output_credit= a complex tensor like the output (or route a real function "
+                "of it, such as torch.view_as_real)"
+            )
         return [
             torch.ones_like(t) if isinstance(t, Tensor) and t.is_floating_point() else None
             for t in pytree.tree_leaves(output)
@@ -562,8 +579,20 @@ def output_credit_like(output: Any, given: Any) -> list[Any]:
             )
         if isinstance(g, Tensor) and not isinstance(out, Tensor):
             raise FxnxTypeError(f"{where} is a tensor, but that output is {type(out).__qualname__}")
-        if isinstance(out, Tensor) and isinstance(g, Tensor) and g.shape != out.shape:
+        if not (isinstance(out, Tensor) and isinstance(g, Tensor)):
+            continue
+        if g.shape != out.shape:
             raise FxnxValueError(
                 f"{where} has shape {tuple(g.shape)}, the output {tuple(out.shape)}"
+            )
+        if g.is_complex() != out.is_complex() or not (g.is_floating_point() or g.is_complex()):
+            raise FxnxTypeError(
+                f"{where} has dtype {g.dtype}, the output {out.dtype}: credit must be "
+                "complex for a complex output and real floating point for a real one"
+            )
+        if g.device != out.device:
+            raise FxnxValueError(
+                f"{where} is on {g.device}, the output on {out.device}: move it with "
+                f"output_credit.to({str(out.device)!r})"
             )
     return [g.to(out.dtype) if isinstance(g, Tensor) else g for out, g in zip(out_flat, given_flat, strict=True)]

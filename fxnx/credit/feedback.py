@@ -24,20 +24,34 @@ node and the bytes, never attempted.
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import FxnxValueError
+from ..errors import FxnxTypeError, FxnxValueError
 
-__all__ = ["LAWS", "MAX_BYTES", "check_bytes", "check_law", "draw", "fans", "generator", "laid_out_like", "readable", "std"]
+__all__ = ["LAWS", "MAX_BYTES", "check_bytes", "check_law", "check_seed", "draw", "fans", "generator", "laid_out_like", "readable", "std"]
 
 #: The laws a feedback weight can be drawn from.
 LAWS = ("xavier", "kaiming")
 #: The largest feedback tensor a rule makes unless told otherwise (``max_bytes=``).
 MAX_BYTES = 1 << 30
+
+
+def check_seed(seed: Any, where: str, *, optional: bool = False) -> int | None:
+    """``seed`` as an int (NumPy integers too); None passes where ``optional``."""
+    if seed is None and optional:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise FxnxTypeError(
+            f"{where} seed must be an int{' or None' if optional else ''}, got "
+            f"{type(seed).__qualname__} {seed!r:.40}"
+        )
+    return int(seed)
 
 
 def check_law(init: str, laws: Sequence[str] = LAWS) -> str:

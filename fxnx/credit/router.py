@@ -82,10 +82,12 @@ def route_credit(
     feedback : mapping, optional
         Node name to feedback weights, to reuse or set them (``CreditResult.feedback``,
         ``CreditRouter.feedback``).
-    leaf_modules, concrete_args
+    leaf_modules : optional
         Rarely needed: ``G`` carries the options it was captured with
-        (``G.graph["capture_options"]``), and these replace the stored ones;
-        give ``concrete_args`` again only where they were not plain data.
+        (``G.graph["capture_options"]``); these replace the stored ones.
+    concrete_args : mapping, optional
+        The ``concrete_args`` ``G`` was converted with, if any: they change what the model
+        computes, so the ones ``G`` stores are checked against these, never applied.
 
     Returns
     -------

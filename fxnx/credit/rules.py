@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -141,7 +141,7 @@ class _Drawn(Rule):
     def __init__(
         self, seed: int | None = None, *, init: str = "xavier", max_bytes: float | None = fb.MAX_BYTES
     ) -> None:
-        self.seed = seed
+        self.seed = fb.check_seed(seed, type(self).__name__, optional=True)
         self.init = fb.check_law(init, self.laws)
         self.max_bytes = max_bytes
 
@@ -192,14 +192,24 @@ def _given(call: NodeCall, weights: dict[str, Tensor], feedback: Any) -> dict[st
     """The user's feedback for ``call`` as parameter name to tensor, shapes checked."""
     if isinstance(feedback, Tensor) and len(weights) == 1:
         feedback = dict.fromkeys(weights, feedback)
+    if not isinstance(feedback, (Tensor, Mapping)):
+        raise FxnxTypeError(
+            f"feedback for node {call.name!r} must be a tensor shaped like its weight, or a "
+            f"dict of parameter name to tensor, got {type(feedback).__qualname__}"
+        )
     given = {"weight": feedback} if isinstance(feedback, Tensor) else dict(feedback)
     if set(given) != set(weights):
         raise FxnxValueError(
             f"feedback for node {call.name!r} must give {sorted(weights)}, got {sorted(given)}"
         )
     for pname, B in given.items():
-        if not isinstance(B, Tensor) or B.shape != weights[pname].shape:
-            got = tuple(B.shape) if isinstance(B, Tensor) else type(B).__qualname__
+        if not isinstance(B, Tensor):
+            raise FxnxTypeError(
+                f"feedback weight for node {call.name!r} ({pname}) must be a tensor, got "
+                f"{type(B).__qualname__}"
+            )
+        if B.shape != weights[pname].shape:
+            got = tuple(B.shape)
             raise FxnxValueError(
                 f"feedback weight for node {call.name!r} ({pname}) has shape {got}, but its "
                 f"weight has shape {tuple(weights[pname].shape)}"

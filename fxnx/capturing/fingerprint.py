@@ -1,0 +1,157 @@
+"""What a module's forward can read, as one value: :func:`fingerprint`.
+
+A capture bakes in whatever the forward read while it was traced: ``self.pad``
+passed to ``F.conv2d``, a NumPy scalar, a private flag, ``self.config.output_hidden_states``,
+the hooks registered on a module the trace ran through, a ``forward`` patched on the
+instance. A capture may be reused only while all of it is unchanged, so the
+fingerprint holds every attribute of every module *by value*, all the way down:
+
+- plain values (numbers, strings, ``torch.dtype``) as they are; containers and
+  objects with a ``__dict__`` or ``__slots__`` (configs) item by item;
+- NumPy arrays and scalars by their bytes;
+- parameters, buffers, submodules, tensors, classes and functions by identity
+  (held, so no other object can take their identity while the key lives), another
+  tensor with its in-place write count, a function with its defaults and the
+  values its closure holds;
+- anything else (an object none of these describe) as a value equal to nothing, so
+  the model is captured again every time rather than reused on a guess.
+
+The walk is bounded: past :data:`_BUDGET` values the fingerprint is again equal
+to nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._compat import global_module_hooks, version
+
+__all__ = ["fingerprint"]
+
+#: Values visited per fingerprint before giving up (BERT-base reads about 10,000).
+_BUDGET = 1_000_000
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.layout, torch.memory_format, torch.Size, range, slice, type(Ellipsis))
+_CONTAINERS = (tuple, list, set, frozenset)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
+              types.WrapperDescriptorType, types.MethodWrapperType, types.ModuleType)
+
+
+class _Same:
+    """An object compared by identity, and kept alive so its identity is not reused."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+class _Unknown:
+    """A value fxnx cannot compare: equal to nothing, itself included."""
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = object.__hash__
+
+
+def fingerprint(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
+    """Everything ``modules``' forwards can read on themselves, and the global module hooks.
+
+    Two fingerprints are equal only if no attribute reachable from these modules changed
+    (values compared by value, tensors, modules and functions by identity).
+
+    Examples
+    --------
+    >>> conv = nn.Conv2d(1, 1, 3)
+    >>> before = fingerprint([conv])
+    >>> before == fingerprint([conv])
+    True
+    >>> conv.padding = (1, 1)
+    >>> before == fingerprint([conv])
+    False
+    """
+    modules = list(modules)
+    walk = _Walk()
+    # Parameters and buffers by identity alone: an optimizer step or BatchNorm's running
+    # statistics write them in place, and the graph reads their values at run time.
+    registered = [(n, walk.same(t)) for m in modules for n, t in
+                  (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
+    own = [{k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers")}
+           for m in modules]
+    return tuple(registered), tuple(map(walk.value, own)), walk.value(global_module_hooks())
+
+
+class _Walk:
+    """One fingerprint's walk: values seen (shared references and cycles become
+    ``("ref", n)``) and the budget left."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+        self.left = _BUDGET
+
+    def same(self, v: Any) -> Any:
+        """``v`` by identity; later references to it become ``("ref", n)``."""
+        self.seen.setdefault(id(v), len(self.seen))
+        return _Same(v)
+
+    def value(self, v: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            return _Unknown()
+        if type(v) in _PLAIN or isinstance(v, enum.Enum):
+            return v
+        if id(v) in self.seen:
+            return ("ref", self.seen[id(v)])
+        self.seen[id(v)] = len(self.seen)
+        if isinstance(v, (nn.Module, torch.Tensor, type)):
+            return _Same(v), version(v) if isinstance(v, torch.Tensor) else None
+        if isinstance(v, dict):
+            return type(v), tuple((self.value(k), self.value(x)) for k, x in v.items())
+        if isinstance(v, _CONTAINERS):
+            items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+            return type(v), tuple(self.value(x) for x in items)
+        if type(v).__module__ == "numpy" and hasattr(v, "tobytes"):
+            return type(v), str(v.dtype), getattr(v, "shape", ()), v.tobytes()
+        if isinstance(v, types.MethodType):
+            return types.MethodType, _Same(v.__func__), self.value(v.__self__)
+        if isinstance(v, functools.partial):
+            return functools.partial, self.value(v.func), self.value(v.args), self.value(v.keywords)
+        if isinstance(v, types.FunctionType):
+            cells = tuple(_cell(c) for c in v.__closure__ or ())
+            return _Same(v), self.value((v.__defaults__, v.__kwdefaults__, cells))
+        if isinstance(v, _FUNCTIONS):
+            return _Same(v)
+        return self.object(v)
+
+    def object(self, v: Any) -> Any:
+        """An object of another class: its attributes, by value."""
+        fields = dict(vars(v)) if hasattr(v, "__dict__") else {}
+        for cls in type(v).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if hasattr(v, slot) and slot not in ("__dict__", "__weakref__"):
+                    fields[slot] = getattr(v, slot)
+        if not fields and not hasattr(v, "__dict__"):
+            return _Unknown()  # no attributes to compare: a C object fxnx knows nothing of
+        return type(v), self.value(fields)
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None

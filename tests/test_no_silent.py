@@ -1,0 +1,414 @@
+"""No silent wrong result: what a graph file stores, what a reused capture assumed, what
+another thread does, and outputs credit cannot be implicit for (issue 23).
+
+Oracles: the eager model's own output, autograd, and graphs captured with nothing else
+running.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxnx
+
+F64 = torch.float64
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _autograd(model, x, **kwargs):
+    x_ = x.clone().requires_grad_()
+    out = model(x_, **kwargs)
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(out.sum(), [x_, *params.values()])
+    return out.detach(), grads[0], dict(zip(params, grads[1:], strict=True))
+
+
+# --- 1. options stored in a graph are a record, never applied ---------------------------
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x, scale=1.0):
+        return self.fc(x) * scale
+
+
+def test_stored_concrete_args_never_reach_the_model(tmp_path):
+    torch.manual_seed(0)
+    model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
+    path = tmp_path / "g.pkl"
+    fxnx.write_pickle(fxnx.convert(model, x, concrete_args={"scale": 1000.0}), path)
+    G = fxnx.read_pickle(path)  # a file from someone else
+    with pytest.raises(fxnx.FxnxValueError, match="concrete_args 'scale' fixed to 1000.0"):
+        fxnx.route_credit(G, model, x)
+    with pytest.raises(fxnx.FxnxValueError, match="concrete_args 'scale' fixed to 1000.0"):
+        fxnx.CreditRouter(G, model)(x)
+    with pytest.raises(fxnx.FxnxValueError, match="'scale' is 2.0 here, but G was converted with 1000.0"):
+        fxnx.route_credit(G, model, x, concrete_args={"scale": 2.0})
+    # Passed by the caller, with the value the graph was made with: autograd's credit.
+    res = fxnx.route_credit(G, model, x, concrete_args={"scale": 1000.0})
+    out, gx, gp = _autograd(model, x, scale=1000.0)
+    assert torch.equal(res.output, out)
+    assert _rel(res.node_credit["x"], gx) <= 1e-12
+    assert _rel(res.param_credit["fc.weight"], gp["fc.weight"]) <= 1e-12
+
+
+def test_an_input_the_caller_passes_is_not_overridden_by_a_concrete_arg():
+    model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
+    G = fxnx.convert(model, x, concrete_args={"scale": 3.0})
+    with pytest.raises(fxnx.FxnxValueError, match="'scale' fixed to 3.0"):
+        fxnx.route_credit(G, model, x, kwargs={"scale": 5.0})
+    with pytest.raises(fxnx.FxnxTypeError, match="'scale' is given both as an input .* and in concrete_args"):
+        fxnx.route_credit(G, model, x, kwargs={"scale": 5.0}, concrete_args={"scale": 3.0})
+    with pytest.raises(fxnx.FxnxTypeError, match="given both"):
+        fxnx.convert(model, x, kwargs={"scale": 5.0}, concrete_args={"scale": 3.0})
+
+
+def test_a_concrete_arg_the_graph_was_not_made_with_is_refused():
+    model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    with pytest.raises(fxnx.FxnxValueError, match="'scale' was not fixed when G was converted"):
+        fxnx.route_credit(G, model, x, concrete_args={"scale": 2.0})
+
+
+def test_capture_options_that_contradict_the_graph_are_refused():
+    model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    G.graph["capture_options"]["route"] = "export"
+    with pytest.raises(fxnx.FxnxValueError, match="route 'export' made the graph, but "
+                       "G.graph\\['capture'\\] says 'symbolic_trace'"):
+        fxnx.route_credit(G, model, x)
+    G.graph["capture_options"] = {"routes": []}
+    with pytest.raises(fxnx.FxnxValueError, match="not a record fxnx wrote"):
+        fxnx.route_credit(G, model, x)
+
+
+# --- 2. capture reuse sees every change that alters the forward -----------------------
+
+
+class Padded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3)
+        self.pad = (1, 1)
+        self.gain = np.float64(2.0)
+        self._sign = 1.0
+
+    def forward(self, x):
+        return F.conv2d(x, self.conv.weight, padding=self.pad) * self.gain * self._sign
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m, "pad", (0, 0)),           # a tuple read by F.conv2d
+        lambda m: setattr(m, "gain", np.float64(5.0)),  # a NumPy scalar
+        lambda m: setattr(m, "_sign", -1.0),            # a private attribute
+    ],
+    ids=["tuple", "numpy", "private"],
+)
+@pytest.mark.parametrize("api", ["route_credit", "router"])
+def test_a_changed_attribute_is_captured_again(change, api):
+    torch.manual_seed(0)
+    model, x = Padded().double(), torch.randn(1, 2, 6, 6, dtype=F64)
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model)
+    run = (lambda: fxnx.route_credit(G, model, x).output) if api == "route_credit" else (
+        lambda: router(x).detach())
+    assert torch.equal(run(), model(x))
+    change(model)
+    want = model(x)
+    got = run()
+    assert got.shape == want.shape and _rel(got, want) <= 1e-12
+
+
+def test_a_forward_patched_after_conversion_is_refused():
+    model, x = Padded().double(), torch.randn(1, 2, 6, 6, dtype=F64)
+    G = fxnx.convert(model, x)  # symbolic_trace: the class's forward
+    fxnx.route_credit(G, model, x)
+    model.forward = lambda x: F.conv2d(x, model.conv.weight) * 7.0
+    with pytest.raises(fxnx.CaptureError, match="Padded.forward is replaced on this instance"):
+        fxnx.route_credit(G, model, x)
+
+
+def test_a_config_changed_in_place_is_captured_again():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 50, (1, 6))
+    G = fxnx.convert(model, ids)
+    fxnx.route_credit(G, model, ids)
+    model.config.output_hidden_states = True  # read by forward: more outputs
+    res = fxnx.route_credit(G, model, ids)
+    want = model(ids)
+    assert list(res.output.keys()) == list(want.keys())  # hidden_states among them
+    for got, expected in zip(res.output.values(), want.values(), strict=True):
+        for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected), strict=True):
+            assert torch.equal(g, w)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x) + x
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_a_hook_added_on_a_traced_through_module_is_captured_again():
+    torch.manual_seed(0)
+    model, x = Outer().double(), torch.randn(2, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model)
+    fxnx.route_credit(G, model, x)
+    router(x)
+    model.block.register_forward_hook(lambda mod, args, out: out * 10)
+    # The hook adds a node to the forward: the graph no longer describes the model.
+    with pytest.raises(fxnx.FxnxValueError, match="G lacks nodes the model computes"):
+        fxnx.route_credit(G, model, x)
+    with pytest.raises(fxnx.FxnxValueError, match="G lacks nodes the model computes"):
+        router(x)
+    G2 = fxnx.convert(model, x)
+    res = fxnx.route_credit(G2, model, x)
+    out, gx, _ = _autograd(model, x)
+    assert torch.equal(res.output, out) and _rel(res.node_credit["x"], gx) <= 1e-12
+
+
+def test_a_global_hook_is_captured_again():
+    model, x = Outer().double(), torch.randn(2, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    fxnx.route_credit(G, model, x)
+
+    def tenfold(module, args, out):
+        return out * 10 if isinstance(module, Block) else out
+
+    handle = nn.modules.module.register_module_forward_hook(tenfold)
+    try:
+        with pytest.raises(fxnx.FxnxValueError, match="G lacks nodes the model computes"):
+            fxnx.route_credit(G, model, x)
+    finally:
+        handle.remove()
+    assert torch.equal(fxnx.route_credit(G, model, x).output, model(x))
+
+
+# --- 3. a forward patched on the instance -----------------------------------------------
+
+
+def test_a_forward_patched_on_the_instance_is_the_one_converted():
+    torch.manual_seed(0)
+    model, x = Outer().double(), torch.randn(2, 3, dtype=F64)
+    model.forward = lambda x: model.block(x) * 5.0
+    G = fxnx.convert(model, x)
+    assert "symbolic_trace" in G.graph["capture_failures"]
+    assert G.nodes["mul"]["target"] == "torch.ops.aten.mul.Tensor"  # the instance's * 5.0
+    res = fxnx.route_credit(G, model, x)
+    out, gx, gp = _autograd(model, x)
+    assert torch.equal(res.output, out)
+    assert _rel(res.node_credit["x"], gx) <= 1e-12
+    assert _rel(res.param_credit["block.fc.weight"], gp["block.fc.weight"]) <= 1e-12
+
+
+# --- 4. another thread running the model while it is captured ---------------------------
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) + x
+
+
+def _busy(model, x, stop, errors):
+    with torch.no_grad():
+        while not stop.is_set():
+            try:
+                model(x)
+            except Exception as err:  # noqa: BLE001 - recorded for the test
+                errors.append(err)
+
+
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+def test_another_thread_running_the_model_never_enters_the_graph(routes):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[Residual() for _ in range(150)]), torch.randn(2, 16)
+    want = fxnx.convert(model, x, routes=routes)
+    stop, errors = threading.Event(), []
+    thread = threading.Thread(target=_busy, args=(model, x, stop, errors))
+    thread.start()
+    refused = 0
+    try:
+        for _ in range(4):
+            try:
+                G = fxnx.convert(model, x, routes=routes)
+            except fxnx.ConcurrentUseError:  # export traces the whole process: refused
+                refused += 1
+                continue
+            assert list(G.nodes) == list(want.nodes)
+            assert list(G.edges(keys=True)) == list(want.edges(keys=True))
+    finally:
+        stop.set()
+        thread.join(30)
+    if routes == "symbolic_trace":
+        assert refused == 0 and errors == []  # both threads ran undisturbed
+
+
+# --- 5. complex outputs ----------------------------------------------------------------
+
+
+class ComplexOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 6)
+
+    def forward(self, x):
+        return torch.view_as_complex(self.fc(x).reshape(-1, 3, 2))
+
+
+def test_a_complex_output_needs_its_credit_given():
+    torch.manual_seed(0)
+    model, x = ComplexOut().double(), torch.randn(2, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    with pytest.raises(fxnx.FxnxValueError, match="output is complex .* pass output_credit="):
+        fxnx.route_credit(G, model, x)
+    g = torch.randn(2, 3, dtype=torch.complex128)
+    res = fxnx.route_credit(G, model, x, output_credit=g)
+    x_ = x.clone().requires_grad_()
+    gx, gw = torch.autograd.grad(model(x_), [x_, model.fc.weight], g)
+    assert _rel(res.node_credit["x"], gx) <= 1e-12
+    assert _rel(res.param_credit["fc.weight"], gw) <= 1e-12
+    with pytest.raises(fxnx.FxnxTypeError, match="credit must be complex for a complex output"):
+        fxnx.route_credit(G, model, x, output_credit=g.real)
+
+
+def test_output_credit_of_another_dtype_kind_or_device_is_refused():
+    model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    with pytest.raises(fxnx.FxnxTypeError, match="real floating point for a real one"):
+        fxnx.route_credit(G, model, x, output_credit=torch.ones(4, 3, dtype=torch.complex128))
+    with pytest.raises(fxnx.FxnxValueError, match="output_credit is on meta, the output on cpu"):
+        fxnx.route_credit(G, model, x, output_credit=torch.ones(4, 3, dtype=F64, device="meta"))
+
+
+# --- 10. convert and route_credit between the user's forward and backward ---------------
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_convert_between_a_forward_and_its_backward_changes_nothing(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    nn.init.normal_(model[1].weight)
+    getattr(model, mode)()
+    x = torch.randn(8, 3, dtype=F64)
+    state = copy.deepcopy(model.state_dict())
+    want = torch.autograd.grad(model(x).sum(), model[0].weight)[0]
+    model.load_state_dict(state)
+    loss = model(x).sum()
+    G = fxnx.convert(model, x)
+    fxnx.route_credit(G, model, x)
+    got = torch.autograd.grad(loss, model[0].weight)[0]
+    assert torch.equal(got, want)
+
+
+# --- 11. a forward that reads **kwargs --------------------------------------------------
+
+
+class Keywords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x, **extra):
+        return self.fc(x) * extra.get("scale", 1.0)
+
+
+def test_a_forward_reading_var_keywords_is_captured_by_another_route():
+    torch.manual_seed(0)
+    model, x = Keywords().double(), torch.randn(2, 3, dtype=F64)
+    G = fxnx.convert(model, x, kwargs={"scale": 3.0})
+    assert "reads **extra" in G.graph["capture_failures"]["symbolic_trace"]
+    res = fxnx.route_credit(G, model, x, kwargs={"scale": 3.0})
+    out, gx, _ = _autograd(model, x, scale=3.0)
+    assert torch.equal(res.output, out) and _rel(res.node_credit["x"], gx) <= 1e-12
+
+
+# --- errors that say what to do --------------------------------------------------------
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    return fxnx.convert(model, x), model, x
+
+
+@pytest.mark.parametrize("seed", ["1", 1.5, torch.tensor(1), True])
+def test_a_seed_that_is_not_an_int_is_refused(seed):
+    G, model, x = _mlp()
+    with pytest.raises(fxnx.FxnxTypeError, match="seed must be an int"):
+        fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=seed)
+    with pytest.raises(fxnx.FxnxTypeError, match="FeedbackAlignment seed must be an int or None"):
+        fxnx.FeedbackAlignment(seed=seed)
+    assert fxnx.FeedbackAlignment(seed=np.int64(3)).seed == 3
+
+
+@pytest.mark.parametrize(
+    ("feedback", "match"),
+    [
+        ([torch.zeros(4, 3)], "feedback must map node names to feedback weights"),
+        ({"_0": [[1.0]]}, "feedback for node '_0' must be a tensor shaped like its weight"),
+        ({"_0": {"weight": [[1.0]]}}, r"feedback weight for node '_0' \(weight\) must be a tensor"),
+    ],
+    ids=["list", "nested-list", "dict-of-list"],
+)
+def test_feedback_of_the_wrong_type_is_refused(feedback, match):
+    G, model, x = _mlp()
+    with pytest.raises(fxnx.FxnxTypeError, match=match):
+        fxnx.route_credit(G, model, x, rule="feedback_alignment", feedback=feedback)
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x) + random.random()
+
+
+def test_pythons_random_state_is_left_as_it_was():
+    model, x = Noisy(), torch.randn(2, 3)
+    random.seed(5)
+    want = random.random()
+    random.seed(5)
+    G = fxnx.convert(model, x)
+    fxnx.route_credit(G, model, x)
+    assert random.random() == want
