@@ -12,16 +12,19 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import render as _render
 
 __all__ = [
     "MAX_DPI",
     "MAX_INPUT_ELEMENTS",
+    "Output",
     "bounded",
     "drawing",
     "dtype",
+    "graph_file",
+    "graph_output",
     "routes",
     "rule",
     "shape",
@@ -156,7 +159,13 @@ def writable(text: str) -> Path:
     if not text:
         raise argparse.ArgumentTypeError("an empty path: give a file name")
     path = Path(text)
-    folder = path.parent.absolute()
+    _check_folder(path.parent, text)
+    return path
+
+
+def _check_folder(folder: Path, text: str) -> None:
+    """Refuse ``text`` unless ``folder`` is one, or can be made in its nearest existing folder."""
+    folder = folder.absolute()
     try:
         existing = next(p for p in (folder, *folder.parents) if p.exists())
         is_dir = existing.is_dir()
@@ -166,7 +175,55 @@ def writable(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: no permission to write in {existing}")
-    return path
+
+
+class Output(NamedTuple):
+    """Where ``fxnx convert -o`` writes: a graph file, or a folder to write ``MODEL.pkl`` in."""
+
+    path: Path
+    folder: bool
+
+
+def graph_output(text: str) -> Output:
+    """``convert -o``: a folder (one that exists, or any path ending with a separator, as for
+    ``cp``), or a ``.pkl`` file name, to which ``.pkl`` is added when it has no suffix.
+
+    Examples
+    --------
+    >>> graph_output("graphs/")
+    Output(path=PosixPath('graphs'), folder=True)
+    >>> graph_output("resnet18")
+    Output(path=PosixPath('resnet18'), folder=False)
+    >>> graph_output("resnet18.png")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: cannot write the graph to 'resnet18.png': give a .pkl file name, \
+or a folder (one that exists, or a path ending in /)
+    """
+    if _names_folder(text):
+        _check_folder(Path(text), text)
+        return Output(Path(text), folder=True)
+    path = writable(text)
+    if path.suffix.lower() not in ("", ".pkl"):
+        raise argparse.ArgumentTypeError(
+            f"cannot write the graph to {path.name!r}: give a .pkl file name, or a folder "
+            f"(one that exists, or a path ending in {os.sep})"
+        )
+    return Output(path, folder=False)
+
+
+def graph_file(text: str) -> Path:
+    """A :func:`writable` file path for a graph: .pkl or .json.
+
+    Examples
+    --------
+    >>> graph_file("graph.txt")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: cannot save the graph to 'graph.txt': give a .pkl or .json file name
+    """
+    return _file_named(text, (".pkl", ".json"), "cannot save the graph to {name!r}: give a .pkl or "
+                       ".json file name")
 
 
 def drawing(text: str) -> Path:
@@ -180,15 +237,23 @@ def drawing(text: str) -> Path:
     argparse.ArgumentTypeError: cannot draw to 'graph.jpeg': give a .png, .svg, .pdf or .dot \
 file name
     """
+    return _file_named(text, tuple(f".{fmt}" for fmt in _render.FORMATS),
+                       "cannot draw to {name!r}: give a .png, .svg, .pdf or .dot file name")
+
+
+def _file_named(text: str, suffixes: tuple[str, ...], refusal: str) -> Path:
+    """A :func:`writable` path that ends in one of ``suffixes`` and is not a folder."""
     path = writable(text)
-    if path.suffix.lower().lstrip(".") not in _render.FORMATS:
-        raise argparse.ArgumentTypeError(
-            f"cannot draw to {path.name!r}: give a .png, .svg, .pdf or .dot file name"
-        )
-    try:
-        folder = path.is_dir()
-    except OSError as err:
-        raise argparse.ArgumentTypeError(f"cannot write {text[:80]}: {err.strerror}") from None
-    if folder:
+    if path.suffix.lower() not in suffixes:
+        raise argparse.ArgumentTypeError(refusal.format(name=path.name))
+    if _names_folder(text):
         raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name")
     return path
+
+
+def _names_folder(text: str) -> bool:
+    """Whether ``text`` is a folder, or ends with a separator as only a folder's name may."""
+    try:
+        return text.endswith(tuple(filter(None, (os.sep, os.altsep)))) or Path(text).is_dir()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write {text[:80]}: {err.strerror}") from None

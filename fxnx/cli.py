@@ -5,8 +5,10 @@ model and prints its summary; ``fxnx info`` and ``fxnx draw`` work on saved
 graphs without importing torch; ``fxnx credit`` routes credit and draws it.
 
 Every failure is one line on stderr and a non-zero exit: 2 for a bad argument
-(argparse's usage error), 1 for anything else, 130 when interrupted. Set
-``FXNX_TRACEBACK=1`` to see the traceback behind a line.
+(argparse's usage error, before any model is built or file read), 1 for
+anything else, 130 when interrupted (Ctrl-C), 143 when terminated (SIGTERM,
+which raises an exception here so that a file being written is cleaned up).
+Set ``FXNX_TRACEBACK=1`` to see the traceback behind a line.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -35,19 +39,91 @@ TRACEBACK_VARIABLE = "FXNX_TRACEBACK"
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
-    args = _parser().parse_args(argv)  # a usage error exits 2 here, --help exits 0
+    with _terminate_by_exception():
+        try:
+            with _held(signal.SIGINT, signal.SIGTERM):  # parsing --dtype imports torch: seconds
+                args = _parser().parse_args(argv)  # a usage error exits 2 here, --help exits 0
+        except (KeyboardInterrupt, _Terminated) as stop:
+            return _stopped("fxnx", stop)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings():  # restores Python's own display afterwards
             warnings.showwarning = partial(_show_warning, args.command)
             return int(args.run(args))
-    except KeyboardInterrupt:
-        print(f"fxnx {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, _Terminated) as stop:
+        return _stopped(f"fxnx {args.command}", stop)
     except (Exception, SystemExit) as err:  # SystemExit: a model's own code called sys.exit
         if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
             traceback.print_exc()
         print(f"fxnx {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 1
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that ``finally`` blocks and clean-ups run."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _terminate_by_exception() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`_Terminated` instead of ending the process at once
+    (which would leave :func:`fxnx.io.atomic_write`'s temporary file). Only where SIGTERM still has
+    its default action: a program that calls :func:`main` and handles SIGTERM keeps its handler."""
+    install = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if install else None
+    try:
+        yield
+    finally:
+        if install:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _held(*signums: int) -> Iterator[None]:
+    """Within the block, the signals whose handlers are Python's are held, then handled at its end.
+
+    An exception raised while torch imports is at times swallowed by it (Ctrl-C does nothing)
+    or makes Python exit by SIGINT whatever :func:`main` returns. A second signal while one is
+    held is handled at once: pressing Ctrl-C again stops even a slow import.
+    """
+    handlers = {s: signal.getsignal(s) for s in signums}
+    handlers = {s: h for s, h in handlers.items() if callable(h)}
+    if threading.current_thread() is not threading.main_thread():
+        handlers = {}
+    caught: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if caught:
+            handlers[signum](signum, frame)
+        caught.append(signum)
+
+    for signum in handlers:
+        signal.signal(signum, hold)
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    if caught:
+        handlers[caught[0]](caught[0], None)
+
+
+def _stopped(command: str, stop: BaseException) -> int:
+    """One line for Ctrl-C or SIGTERM, and the exit code a shell gives for the signal."""
+    if isinstance(stop, KeyboardInterrupt):
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    print(f"{command}: terminated", file=sys.stderr)
+    return 128 + signal.SIGTERM
 
 
 def _show_warning(command: str, message: Warning | str, *args: Any, **kwargs: Any) -> None:
@@ -74,7 +150,7 @@ def _one_line(err: BaseException) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fxnx", description="PyTorch models as NetworkX graphs of their real dataflow.",
-        epilog=f"Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted. "
+        epilog=f"Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted, 143 terminated. "
         f"Set {TRACEBACK_VARIABLE}=1 to see the traceback behind an error.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -90,8 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _input_options(conv)
     conv.add_argument(
-        "-o", "--output", type=argtypes.writable, metavar="PATH",
-        help="the .pkl file to write (a folder, when it is one or when converting several models)",
+        "-o", "--output", type=argtypes.graph_output, metavar="PATH",
+        help="the .pkl file to write, or a folder to write MODEL.pkl in: one that exists, a path "
+        "ending in /, or any PATH when converting several models",
     )
     for fmt in ("png", "svg", "json"):
         conv.add_argument(f"--{fmt}", action="store_true", help=f"also write a .{fmt} beside it")
@@ -142,7 +219,8 @@ def _parser() -> argparse.ArgumentParser:
     credit.add_argument("--seed", type=int, default=0, help="seed of random feedback weights")
     _draw_options(credit, "credit.png")
     credit.add_argument(
-        "--graph", type=argtypes.writable, metavar="FILE.pkl", help="also save the graph with its credit"
+        "--graph", type=argtypes.graph_file, metavar="FILE",
+        help="also save the graph with its credit, as .pkl or .json",
     )
     credit.set_defaults(run=_credit)
     return parser
@@ -239,10 +317,10 @@ def _outputs(args: argparse.Namespace) -> list[tuple[str, list[Path]]]:
     owners: dict[Path, str] = {}
     for spec in args.models:
         name = spec.rpartition(":")[2]
-        if args.output and (several or args.output.is_dir()):
-            stem = args.output / name
+        if args.output and (several or args.output.folder):
+            stem = args.output.path / name
         elif args.output:
-            stem = args.output.with_suffix("")
+            stem = args.output.path.with_suffix("")
         else:
             stem = Path(name)
         suffixes = [".pkl"] if args.output else []
@@ -262,9 +340,9 @@ def _outputs(args: argparse.Namespace) -> list[tuple[str, list[Path]]]:
 
 def _write(G: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".pkl":
+    if path.suffix.lower() == ".pkl":
         write_pickle(G, path)
-    elif path.suffix == ".json":
+    elif path.suffix.lower() == ".json":
         write_json(G, path)
     else:
         from .render import draw
@@ -301,8 +379,6 @@ def _credit(args: argparse.Namespace) -> int:
     from .credit import route_credit
     from .render import draw
 
-    if args.graph is not None and args.graph.resolve() == args.output.resolve():
-        raise FxnxValueError(f"-o and --graph both name {args.output}: give two different files")
     x = example_input(args.input_shape, args.dtype)
     _status(f"{args.model}: converting…", end="")
     model = model_for(load_model(args.model), args.dtype)

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import errno
 import io
 import json
 import math
 import os
 import pickle
+import re
+import reprlib
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -60,7 +63,16 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[
     atomic). If anything fails first, the temporary file is removed and
     ``path`` is untouched. The new file keeps the permissions of the file it
     replaces, or gets the usual ones for a new file (the umask). A symbolic
-    link at ``path`` is replaced by the file, not written through.
+    link at ``path`` is replaced by the file, not written through. An
+    ``OSError`` about the temporary file or about no file (a full disk) is
+    raised as the same error about ``path``.
+
+    A signal that ends the process without raising an exception (SIGTERM's
+    default action, SIGKILL) skips the clean-up and can leave a
+    ``.fxnx-*.tmp`` file beside ``path``; ``path`` itself is still intact.
+    The ``fxnx`` command turns SIGTERM into an exception for this reason; a
+    program of your own can do the same with
+    ``signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))``.
 
     Parameters
     ----------
@@ -87,8 +99,11 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[
     if mode not in ("wb", "w"):
         raise FxnxTypeError(f"atomic_write mode must be 'wb' or 'w', got {mode!r}")
     target = os.fspath(path)
-    # A short name of its own beside the target: as long a name as the target may have still works.
-    fd, temp = tempfile.mkstemp(dir=os.path.dirname(target) or ".", prefix=".fxnx-", suffix=".tmp")
+    try:
+        # A short name of its own beside the target: as long a name as the target may have works.
+        fd, temp = tempfile.mkstemp(dir=os.path.dirname(target) or ".", prefix=".fxnx-", suffix=".tmp")
+    except OSError as err:
+        raise _about(target, err) from err
     try:
         with open(fd, mode, encoding=None if mode == "wb" else "utf-8") as f:
             yield f
@@ -96,10 +111,17 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[
             os.fsync(f.fileno())
         os.chmod(temp, _permissions(target))
         os.replace(temp, target)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(temp)
+        if isinstance(err, OSError) and err.errno is not None and err.filename in (None, temp):
+            raise _about(target, err) from err
         raise
+
+
+def _about(target: str, err: OSError) -> OSError:
+    """``err`` as an error about ``target``, which the user named, not the temporary file."""
+    return OSError(err.errno, err.strerror, target)  # the subclass for errno: PermissionError, ...
 
 
 def _permissions(target: str) -> int:
@@ -120,6 +142,58 @@ def _check_writable(G: Any, path: str | os.PathLike[str], writer: str) -> None:
         validate(G)
     except GraphContractError as err:
         raise GraphContractError(f"{os.fspath(path)!r} was not written: {err}") from err
+    problem = _not_text(G)
+    if problem:
+        raise GraphContractError(f"{os.fspath(path)!r} was not written: {problem}")
+
+
+#: A lone surrogate: a str can hold one, but it is not text (UTF-8 cannot encode it, nor print
+#: it), so graph files hold none: every graph read can be written, printed and drawn.
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+#: What XML 1.0 cannot hold (https://www.w3.org/TR/xml/#charsets): most controls, surrogates,
+#: U+FFFE and U+FFFF.
+_NOT_XML = re.compile(r"[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+_SHORT = reprlib.Repr()  # names in messages: a node may be named with a megabyte
+_SHORT.maxstring = 60
+
+
+def _texts(G: nx.MultiDiGraph, nested: bool) -> Iterator[tuple[str, str]]:
+    """Every str in ``G`` with where it is: node names, attribute names and values, and with
+    ``nested`` the strings inside lists, tuples and dicts. ``G`` has passed :func:`validate`."""
+    short = _SHORT.repr
+
+    def attributes(owner: str, data: dict[str, Any]) -> Iterator[tuple[str, str]]:
+        for key, value in data.items():
+            yield f"{owner}: the attribute name {short(key)}", key
+            where = f"{owner} attribute {short(key)}"
+            stack = [value]
+            while stack:
+                value = stack.pop()
+                if type(value) is str:
+                    yield where, value
+                elif nested and isinstance(value, (list, tuple)):
+                    stack.extend(value)
+                elif nested and isinstance(value, dict):
+                    stack.extend(value.keys())
+                    stack.extend(value.values())
+
+    yield from attributes("G.graph", G.graph)
+    for node, data in G.nodes(data=True):
+        yield f"the node name {short(node)}", node
+        yield from attributes(f"node {short(node)}", data)
+    for u, v, key, data in G.edges(keys=True, data=True):
+        yield from attributes(f"edge {short(u)} -> {short(v)} (key {key})", data)
+
+
+def _not_text(G: nx.MultiDiGraph) -> str | None:
+    """Where ``G`` holds a lone surrogate, which no file can encode as text; None if nowhere."""
+    for where, text in _texts(G, nested=True):
+        found = None if text.isascii() else _SURROGATE.search(text)
+        if found:
+            return f"{where} holds U+{ord(found.group()):04X}, a lone surrogate: not text"
+    return None
 
 
 # What a graph is; the rest of its __dict__ is cached views (G.nodes, G.adj), derived state.
@@ -146,7 +220,8 @@ def write_pickle(G: nx.MultiDiGraph, path: str | os.PathLike[str]) -> None:
         ``G`` is not a networkx graph.
     GraphContractError
         ``G`` breaks the graph contract (an attribute that is not plain data,
-        such as a tensor or a set); nothing is written.
+        such as a tensor or a set) or holds a lone surrogate, which is not
+        text; nothing is written.
 
     Examples
     --------
@@ -196,7 +271,8 @@ def write_json(G: nx.MultiDiGraph, path: str | os.PathLike[str]) -> None:
         ``G`` is not a networkx graph.
     GraphContractError
         ``G`` breaks the graph contract, or holds what JSON cannot write
-        (NaN, an attribute named like a node-link field); nothing is written.
+        (NaN, an attribute named like a node-link field, a lone surrogate);
+        nothing is written.
     """
     _check_writable(G, path, "write_json")
     clash = _node_link_clash(G)
@@ -229,8 +305,24 @@ def write_graphml(G: nx.MultiDiGraph, path: str | os.PathLike[str]) -> None:
     GraphML holds only scalars, so tuples, lists and dicts (shapes,
     ``node_call_info``) are written as JSON text; None values are left out.
     This is an export: read graphs back from pickle or JSON.
+
+    Raises
+    ------
+    FxnxTypeError
+        ``G`` is not a networkx graph.
+    GraphContractError
+        ``G`` breaks the graph contract, or a node name, attribute name or
+        string attribute holds a character XML cannot hold (a control
+        character such as U+0000 or U+001B, U+FFFE); nothing is written.
     """
     _check_writable(G, path, "write_graphml")
+    for where, text in _texts(G, nested=False):  # the rest is written as JSON, which escapes it
+        found = _NOT_XML.search(text)
+        if found:
+            raise GraphContractError(
+                f"G holds text GraphML cannot write, so {os.fspath(path)!r} was not written: "
+                f"{where} holds U+{ord(found.group()):04X}, a character XML cannot hold"
+            )
     H = nx.MultiDiGraph()
     H.graph.update(_scalars(G.graph))
     H.add_nodes_from((n, _scalars(d)) for n, d in G.nodes(data=True))
@@ -263,7 +355,9 @@ def read_pickle(path: str | os.PathLike[str]) -> nx.MultiDiGraph:
         a class other than a networkx graph, a call); nothing in it was run.
     GraphFileError
         The file is truncated, corrupt, expands far beyond its size, is not
-        an fxnx graph (see docs/graph.md), or is from a newer fxnx.
+        an fxnx graph (see docs/graph.md), or is from a newer fxnx; or it is
+        not a regular file (a FIFO or a device, which are never read) or is
+        larger than :data:`MAX_FILE_BYTES`.
 
     Examples
     --------
@@ -279,9 +373,20 @@ def read_pickle(path: str | os.PathLike[str]) -> nx.MultiDiGraph:
 
 
 def _read_bytes(path: str | os.PathLike[str], name: str) -> bytes:
-    """The file's bytes; a device, a pipe or a file over :data:`MAX_FILE_BYTES` is refused."""
-    with open(path, "rb") as f:
-        info = os.fstat(f.fileno())
+    """The file's bytes, read without waiting and at most :data:`MAX_FILE_BYTES` of them.
+
+    Anything but a regular file (a FIFO, a device) is refused before it is opened, and again
+    after (O_NONBLOCK: a FIFO swapped in meanwhile does not wait for a writer). A folder is
+    the OSError that opening it would raise, as a missing file is.
+    """
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+    if not stat.S_ISREG(mode):
+        raise GraphFileError(f"{name} is not a regular file")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with open(fd, "rb") as f:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise GraphFileError(f"{name} is not a regular file")
         if info.st_size > MAX_FILE_BYTES:
@@ -289,7 +394,10 @@ def _read_bytes(path: str | os.PathLike[str], name: str) -> bytes:
                 f"{name} is {info.st_size:,} bytes, more than the {MAX_FILE_BYTES:,} a graph file "
                 "may have"
             )
-        return f.read()
+        data = f.read(info.st_size)
+        if f.read(1):
+            raise GraphFileError(f"{name} grew while it was read: read it once it is complete")
+    return data
 
 
 def _validated(G: nx.MultiDiGraph, name: str) -> nx.MultiDiGraph:
@@ -301,6 +409,9 @@ def _validated(G: nx.MultiDiGraph, name: str) -> nx.MultiDiGraph:
         raise GraphFileError(
             f"{name} is not a valid fxnx graph ({type(err).__name__}: {str(err)[:200]})"
         ) from err
+    problem = _not_text(G)
+    if problem:
+        raise GraphFileError(f"{name} is not a valid fxnx graph: {problem}")
     return G
 
 
@@ -314,12 +425,13 @@ def read_json(path: str | os.PathLike[str]) -> nx.MultiDiGraph:
     ------
     GraphFileError
         The file is not UTF-8 JSON, not a node-link graph (duplicate node ids,
-        edges to missing nodes), not an fxnx graph (see docs/graph.md), or is
-        from a newer fxnx.
+        edges to missing nodes), not an fxnx graph (see docs/graph.md), holds
+        a string that is not text (a lone surrogate such as ``"\\ud800"``), or
+        is from a newer fxnx; or it is not a regular file or is larger than
+        :data:`MAX_FILE_BYTES`, as for :func:`read_pickle`.
     """
     name = repr(os.fspath(path))
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = _read_bytes(path, name)
     try:
         data = json.loads(
             raw.decode("utf-8"), object_hook=_decode, parse_constant=_no_constant, parse_float=_finite

@@ -321,9 +321,6 @@ ERRORS = {
                          "exceed Graphviz's 32767-pixel limit"),
     "credit bad factory": (["credit", "os:getcwd", "--input-shape", "4,3", "-o", "{tmp}/c.png"],
                            "not a torch.nn.Module"),
-    "credit same -o and --graph": (["credit", "clifactories:tiny", "--input-shape", "4,3", "-o",
-                                    "{tmp}/c.png", "--graph", "{tmp}/c.png"],
-                                   "-o and --graph both name"),
 }
 
 
