@@ -20,6 +20,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 import torch
+from test_io import _half_then_fail
 
 import fxnx
 from fxnx.cli import main
@@ -188,22 +189,7 @@ def test_an_error_replacing_the_target_names_the_target_not_the_temporary_file(t
 
 def test_a_full_disk_names_the_target(tmp_path, monkeypatch):
     target = tmp_path / "g.json"
-
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    real_open = open
-    monkeypatch.setattr(fxnx.io, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(fxnx.io, "open", _half_then_fail(open), raising=False)
     with pytest.raises(OSError) as info:
         fxnx.write_json(_graph(), target)
     assert info.value.errno == errno.ENOSPC
