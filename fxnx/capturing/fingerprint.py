@@ -38,8 +38,8 @@ __all__ = ["fingerprint"]
 #: Values visited per fingerprint before giving up (BERT-base reads about 10,000).
 _BUDGET = 1_000_000
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
-          torch.layout, torch.memory_format, torch.Size, range, slice, type(Ellipsis))
+_PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                    torch.layout, torch.memory_format, torch.Size, range, slice, type(Ellipsis)))
 _CONTAINERS = (tuple, list, set, frozenset)
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
               types.WrapperDescriptorType, types.MethodWrapperType, types.ModuleType)
@@ -89,9 +89,11 @@ def fingerprint(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
     walk = _Walk()
     # Parameters and buffers by identity alone: an optimizer step or BatchNorm's running
     # statistics write them in place, and the graph reads their values at run time.
+    # Submodules by identity too: each has a fingerprint of its own where it matters.
     registered = [(n, walk.same(t)) for m in modules for n, t in
-                  (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
-    own = [{k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers")}
+                  (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False),
+                   *m.named_children())]
+    own = [{k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
            for m in modules]
     return tuple(registered), tuple(map(walk.value, own)), walk.value(global_module_hooks())
 
