@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _argtypes as argtypes
+from ._version import __version__
 from .analysis import format_summary, summary
 from .errors import FxnxError, FxnxValueError, first_line
 from .io import read_json, read_pickle, write_json, write_pickle
@@ -153,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted, 143 terminated. "
         f"Set {TRACEBACK_VARIABLE}=1 to see the traceback behind an error.",
     )
+    parser.add_argument("--version", action="version", version=f"fxnx {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     conv = commands.add_parser(

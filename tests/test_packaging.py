@@ -102,3 +102,28 @@ def test_nothing_refers_to_files_outside_the_repository():
     hits = [f"{p.relative_to(ROOT)}: {word}" for p in files for word in outside if word in p.read_text()]
     assert hits == []
     assert (ROOT / "docs" / "design.md").exists() and (ROOT / "docs" / "graph.md").exists()
+
+
+def test_the_wheel_carries_the_license_and_the_citation_matches_the_version(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    licences = [n for n in names if n.rsplit("/", 1)[-1] == "LICENSE"]
+    assert licences, names
+    text = zipfile.ZipFile(wheel).read(licences[0]).decode()
+    assert text.startswith("MIT License") and "WITHOUT WARRANTY OF ANY KIND" in text
+    yaml = pytest.importorskip("yaml")
+    citation = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    import fxnx
+
+    assert citation["cff-version"] == "1.2.0" and citation["license"] == "MIT"
+    assert citation["version"] == fxnx.__version__ and citation["title"].startswith("fxnx")
+    assert all(key in citation for key in ("message", "authors"))
+
+
+def test_version_prints_without_torch():
+    import fxnx
+
+    from blocktorch import run_without_torch
+
+    proc = run_without_torch("from fxnx.cli import main; raise SystemExit(main(['--version']))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"fxnx {fxnx.__version__}"
