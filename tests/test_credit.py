@@ -809,3 +809,15 @@ def test_routers_kept_on_a_graph_stay_out_of_its_pickles():
     data = pickle.dumps(loaded)
     assert b"fxnx.credit" not in data  # no router object in the file
     assert vars(pickle.loads(data))["_fxnx_routers"] == {}
+
+
+def test_a_result_shows_as_a_summary_not_its_tensors():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).eval()
+    x = torch.randn(1, 3, 64, 64)
+    res = fxnx.route_credit(fxnx.convert(model, x), model, x)
+    text = repr(res)
+    assert len(text) < 300 and "tensor(" not in text
+    n_params = len(list(model.parameters()))
+    assert f"credit at {len(res.node_credit)} of {len(res.node_credit)} nodes, {n_params} parameters" in text
+    assert "output (1, 1000)" in text and text.startswith("CreditResult(rule='exact'")

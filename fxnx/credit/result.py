@@ -46,6 +46,20 @@ class CreditResult:
     feedback: dict[str, Tensor] = field(default_factory=dict)
     output: Any = None
 
+    def __repr__(self) -> str:
+        """A summary (rule, counts, the output, the largest credits), never the tensors: a
+        ResNet's result would print hundreds of thousands of numbers."""
+        with_credit = {n: v for n, v in self.norms().items() if v is not None}
+        top = sorted(with_credit.items(), key=lambda item: -item[1])[:3]
+        shapes = [tuple(t.shape) for t in pytree.tree_leaves(self.output) if isinstance(t, Tensor)]
+        output = shapes[0] if len(shapes) == 1 else f"{len(shapes)} tensors" if shapes else None
+        return (
+            f"CreditResult(rule={self.rule!r}: {self.describe() or 'no nodes'}; credit at "
+            f"{len(with_credit)} of {len(self.node_credit)} nodes, {len(self.param_credit)} "
+            f"parameters; output {output}; feedback for {len(self.feedback)} nodes; largest "
+            f"credit norms: {', '.join(f'{n} {v:.3g}' for n, v in top) or 'none'})"
+        )
+
     def norms(self) -> dict[str, float | None]:
         """The Euclidean norm of each node's credit (None where it has none)."""
         return {name: credit_norm(c) for name, c in self.node_credit.items()}
