@@ -53,7 +53,9 @@ from .io import (
     write_json,
     write_pickle,
 )
+from .paths import path_length_counts, path_length_credit
 from .plot import plot_alignment, plot_census, plot_credit_by_depth
+from .receptive import ReceptiveField, receptive_fields
 from .render import GraphvizNotFoundError, draw, to_pydot
 
 if TYPE_CHECKING:
@@ -106,6 +108,7 @@ __all__ = [
     "NodeCall",
     "PRESETS",
     "Preset",
+    "ReceptiveField",
     "RoutingState",
     "Rule",
     "ShapePropagationError",
@@ -126,11 +129,14 @@ __all__ = [
     "graph_from_capture",
     "method",
     "node_depths",
+    "path_length_counts",
+    "path_length_credit",
     "plot_alignment",
     "plot_census",
     "plot_credit_by_depth",
     "read_json",
     "read_pickle",
+    "receptive_fields",
     "route_credit",
     "scope_subgraph",
     "short_name",
