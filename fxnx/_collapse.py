@@ -13,15 +13,32 @@ from ._fold import folded_parameters
 from .analysis import skip_connections, topological_order
 from .errors import FxnxValueError
 
-__all__ = ["BACKWARD_SUFFIX", "collapse", "collapsed_size", "module_depth"]
+__all__ = ["BACKWARD_SUFFIX", "MAX_NESTING", "collapse", "collapsed_size", "module_depth",
+           "module_path"]
 
 #: Appended to a module's path to name the collapsed node of its backward ops.
 BACKWARD_SUFFIX = " (backward)"
+#: The parts and characters of a module path that a drawing uses: real models nest a dozen
+#: deep in a hundred characters; a crafted graph's longer paths, a box and a depth for each
+#: part, would cost time quadratic in them.
+MAX_NESTING, MAX_PATH = 32, 1000
+
+
+def module_path(path: str) -> str:
+    """``path`` cut to its first :data:`MAX_NESTING` parts and :data:`MAX_PATH` characters.
+
+    Examples
+    --------
+    >>> module_path("layer1.0.conv1"), module_path(".".join("a" * 40)).count(".") + 1
+    ('layer1.0.conv1', 32)
+    """
+    return ".".join(path[:MAX_PATH].split(".")[:MAX_NESTING])
 
 
 def _path(data: dict[str, Any]) -> str:
     """The module path a node belongs to: the module itself for call_module, else its scope."""
-    return data["target"] if data.get("op") == "call_module" else (data.get("scope") or "")
+    return module_path(str(data["target"] if data.get("op") == "call_module"
+                           else (data.get("scope") or "")))
 
 
 def module_depth(G: nx.MultiDiGraph) -> int:
@@ -40,12 +57,13 @@ def collapse(
     """
     group = _groups(G, depth)
     order = order if order is not None else topological_order(G)
-    while True:
-        H = _grouped(G, group, order)
-        if nx.is_directed_acyclic_graph(H):
-            break
-        cyclic = {u for u, *_ in nx.find_cycle(H)} - set(G)
+    H = _grouped(G, group, order)
+    # Every module on a cycle of the view stays expanded, all at once: a cycle left after that
+    # would lie among nodes of G alone, which has none, so one pass is enough.
+    cyclic = {n for part in nx.strongly_connected_components(H) if len(part) > 1 for n in part}
+    if cyclic:
         group.update({n: n for n, g in group.items() if g in cyclic})
+        H = _grouped(G, group, order)
     if skips:
         skip_connections(H)  # the skip connections still visible once modules are collapsed
     return H
@@ -75,11 +93,11 @@ def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:
         raise FxnxValueError(f"depth must be 1 or more, got {depth}")
     group: dict[str, str] = {}
     owners = {  # a parameter or buffer belongs to the module that owns it
-        node: primal["name"].rpartition(".")[0]
+        node: module_path(primal["name"].rpartition(".")[0])
         for node, primal in G.graph.get("primals", {}).items() if primal["kind"] != "input"
     }
     owners.update(  # a constant that tracing made (_tensor_constant0) belongs to where it is used
-        (node, data["target"].rpartition(".")[0] or str(data.get("scope") or ""))
+        (node, module_path(data["target"].rpartition(".")[0] or str(data.get("scope") or "")))
         for node, data in G.nodes(data=True) if data.get("op") == "get_attr"
     )
     for node, data in G.nodes(data=True):

@@ -15,6 +15,9 @@ from typing import Any
 
 import networkx as nx
 
+from ._collapse import module_path
+from ._style import LABEL_CHARS
+
 __all__ = ["Estimate", "area_floor", "beside_consumers", "bounded_options", "estimate"]
 
 #: Points (1/72 inch) per character of a node's bold 12-point name, and of its 10-point kind.
@@ -94,14 +97,14 @@ def estimate(
     virtual = 0
     for u, v, shape in G.edges(data="shape"):
         if isinstance(shape, (tuple, list)):  # the shape label sits beside the edge, by its tail
-            width[u] += (3 * len(shape) + 2) * LABEL_CHAR
+            width[u] += (min(3 * len(shape), LABEL_CHARS) + 2) * LABEL_CHAR  # (a long one is cut)
         span = abs(rank[v] - rank[u])
         if span > 1:
             virtual += span - 1
             first = min(rank[u], rank[v]) - low + 1
             crossing[first] += 1
             crossing[first + span - 1] -= 1
-    scopes = {node: str(data.get("scope") or "") if clusters else ""
+    scopes = {node: module_path(str(data.get("scope") or "")) if clusters else ""
               for node, data in G.nodes(data=True)}
     right = _packed(scopes, {n: r - low for n, r in rank.items()}, width)
     running, across = 0, 0.0
@@ -180,7 +183,9 @@ def _packed(scope: dict[Any, str], rank: dict[Any, int], width: dict[Any, float]
         items.setdefault(path, []).append((rank[node], rank[node], width[node] + NODESEP))
         while path:  # every enclosing box exists, even one that holds no node itself
             path = path.rpartition(".")[0]
-            items.setdefault(path, [])
+            if path in items:  # and so do those enclosing it
+                break
+            items[path] = []
     for path in sorted(items, key=lambda p: -p.count(".") if p else 1):
         skyline: dict[int, float] = {}
         for lo, hi, w in sorted(items[path]):

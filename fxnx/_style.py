@@ -3,14 +3,18 @@
 Every string taken from a graph reaches DOT through :func:`text` (inside
 HTML-like labels) or :func:`quoted` (a quoted DOT string shown literally), and
 node ids through :func:`node_id`; nothing from the graph is pasted into DOT
-as it is. No pydot, no torch.
+as it is. Each is cut short (:func:`clip`), so that a drawing's size is bounded by
+its graph's nodes and edges, whatever their strings hold. No pydot, no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
+import itertools
 import math
 import re
+import reprlib
 import zlib
 from typing import Any
 
@@ -22,8 +26,8 @@ from .errors import FxnxValueError
 
 __all__ = [
     "BACKWARD", "BACKWARD_FILL", "FILLS", "FONT", "FORK", "MERGE", "OPAQUE", "PLAIN",
-    "RESIDUAL", "SKIP", "SKIP_STYLE", "Scale", "VIRIDIS", "cluster_label", "edge_style", "kind",
-    "label_height", "label_width", "legend", "node_id", "node_style", "quoted", "text",
+    "RESIDUAL", "SKIP", "SKIP_STYLE", "Scale", "VIRIDIS", "clip", "cluster_label", "edge_style",
+    "kind", "label_height", "label_width", "legend", "node_id", "node_style", "quoted", "text",
 ]
 
 #: Okabe and Ito's colour-blind-safe colours: skip branches vermillion and dashed, residual
@@ -44,10 +48,30 @@ VIRIDIS = ("#440154", "#472D7B", "#3B528B", "#2C728E", "#21918C", "#28AE80", "#5
 FONT = "Helvetica"
 #: Characters a line of the parameters listed on a node may hold, unless one name is longer.
 NAMES_LINE = 26
+#: Characters of a graph's string shown in a label or a node id, and on a line of a tooltip:
+#: longer ones are cut, ending in an ellipsis (real names, targets and paths stay within them).
+LABEL_CHARS, TOOLTIP_CHARS = 80, 200
+#: Short reprs of values on a tooltip: a shape of any length, or a list of many, is cut short.
+_REPR = reprlib.Repr()
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxdict = 16
+_REPR.maxstring = _REPR.maxother = TOOLTIP_CHARS
 
 _PLAIN_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PYDOT_QUOTES = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_. ()+\-/]*\Z")  # pydot quotes these faithfully
 _KEYWORDS = {"graph", "subgraph", "digraph", "node", "edge", "strict"}
+
+
+def clip(value: Any, limit: int = LABEL_CHARS) -> str:
+    """``value`` as text of at most ``limit`` characters, cut short with an ellipsis.
+
+    Examples
+    --------
+    >>> clip("layer1_0_conv1"), clip("x" * 100, 10)
+    ('layer1_0_conv1', 'xxxxxxxxx…')
+    """
+    if not isinstance(value, str):  # a shape, a list of shapes, a number
+        value = _REPR.repr(value) if isinstance(value, (tuple, list, dict)) else str(value)
+    return value if len(value) <= limit else value[: limit - 1] + "…"
 
 
 def text(value: Any) -> str:
@@ -80,27 +104,41 @@ def node_id(name: Any) -> str:
     ``layer1.0``) are given to pydot as they are; any other name is quoted
     and escaped here, and ``P.get_node`` then needs that quoted form.
 
+    A name longer than :data:`LABEL_CHARS` is cut short and ends in a hash
+    of the whole name, which tells such names apart (:func:`_id_text`).
+
     Examples
     --------
     >>> node_id("layer1_0_conv1"), node_id("layer1.0"), node_id('a"b'), node_id("node")
     ('layer1_0_conv1', 'layer1.0', '"a\\\\"b"', '"node"')
     """
-    name = str(name)
+    name = _id_text(name)
     if name.lower() not in _KEYWORDS and (_PLAIN_ID.match(name) or _PYDOT_QUOTES.match(name)):
         return name
     return quoted(name)
+
+
+def _id_text(name: Any) -> str:
+    """A node's name, or for a name longer than :data:`LABEL_CHARS`, its start, an ellipsis
+    and 16 hex digits of a hash of the whole name."""
+    name = str(name)
+    if len(name) <= LABEL_CHARS:
+        return name
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return f"{name[: LABEL_CHARS - 17]}…{digest}"
 
 
 def kind(data: dict[str, Any]) -> str:
     """A node's kind in a word: its module class, function, method or role."""
     op = data.get("op")
     if op in ("call_module", "module"):
-        return str(data.get("module_type") or "module").rsplit(".", 1)[-1]
+        return clip(str(data.get("module_type") or "module").rsplit(".", 1)[-1])
     if op == "call_method":
-        return f".{data.get('target')}()"
+        return f".{clip(data.get('target'))}()"
     if op == "call_function":
-        return short_name(str(data.get("target")))
-    return {"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(op, str(op or ""))
+        return clip(short_name(str(data.get("target"))))
+    return clip({"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(
+        op, str(op or "")))
 
 
 def _title(node: Any, data: dict[str, Any], boxed: bool = True) -> str:
@@ -108,16 +146,17 @@ def _title(node: Any, data: dict[str, Any], boxed: bool = True) -> str:
 
     A collapsed module is named by the last part of its path; a parameter
     drawn in its module's box (``boxed``) by its path from that module
-    (``weight``, or ``norm.weight`` if read by the norm's parent).
+    (``weight``, or ``norm.weight`` if read by the norm's parent). At most
+    :data:`LABEL_CHARS` characters.
     """
     target = str(data.get("target"))
     if data.get("op") == "module":  # inside its parent's box, the last part of the path says it
         last = target.rpartition(".")[2]
-        return target if last.isdigit() else last
+        return clip(target if last.isdigit() else last)
     scope = str(data.get("scope") or "")
     if boxed and data.get("op") == "get_attr" and scope and target.startswith(scope + "."):
-        return target[len(scope) + 1:]
-    return str(node)
+        return clip(target[len(scope) + 1:])
+    return clip(node)
 
 
 def _parameter_lines(data: dict[str, Any], boxed: bool = True) -> list[str]:
@@ -152,13 +191,16 @@ def label_width(node: Any, data: dict[str, Any], boxed: bool = True) -> float:
 
 
 def _tooltip(node: Any, data: dict[str, Any], kind_text: str) -> str:
-    lines = [str(node), f"op: {data.get('op')} ({kind_text})", f"target: {data.get('target')}"]
+    """A node's tooltip: its name, op, target and shape, each line of at most
+    :data:`TOOLTIP_CHARS` characters."""
+    lines = [clip(node, TOOLTIP_CHARS), f"op: {clip(data.get('op'))} ({kind_text})",
+             f"target: {clip(data.get('target'), TOOLTIP_CHARS)}"]
     if data.get("out_shape") is not None:
-        lines.append(f"output shape: {data['out_shape']}")
+        lines.append(f"output shape: {clip(data['out_shape'], TOOLTIP_CHARS)}")
     if data.get("op") == "module" and data.get("members"):
-        lines.append(f"{data['members']} ops collapsed")
-    lines.extend(f"reads {target}: shape {shape} (node {name})"
-                 for name, target, shape in data.get(LISTED, ()))
+        lines.append(f"{clip(data['members'])} ops collapsed")
+    lines.extend(clip(f"reads {clip(target)}: shape {clip(shape)} (node {clip(name)})",
+                      TOOLTIP_CHARS) for name, target, shape in data.get(LISTED, ()))
     return "\n".join(lines)
 
 
@@ -171,12 +213,12 @@ def node_style(
     ``boxed`` says the node is drawn inside its module's box, which names the
     module, so a parameter is labelled by its attribute name alone.
     """
-    what = f"{primal.get('kind')} {primal.get('name')}" if primal else kind(data)
+    what = clip(f"{clip(primal.get('kind'))} {clip(primal.get('name'))}") if primal else kind(data)
     name = _title(node, data, boxed)
     lines = [f"<B>{text(name)}</B>"]
     note = what
     if data.get("op") == "module" and data.get("members"):
-        note = f"{what} · {data['members']} ops"
+        note = f"{what} · {clip(data['members'])} ops"
     if note and note != name:
         lines.append(f'<FONT POINT-SIZE="10">{text(note)}</FONT>')
     # The parameters it alone reads, in italics: what it holds, not what flows into it.
@@ -185,7 +227,7 @@ def node_style(
     if data.get("opaque"):
         lines.append('<FONT POINT-SIZE="9">opaque: not traced</FONT>')
     style = {"label": "<" + "<BR/>".join(lines) + ">", "tooltip": quoted(_tooltip(node, data, what)),
-             "id": quoted(node)}
+             "id": quoted(_id_text(node))}
     fill = FILLS[zlib.crc32(str(primal.get("kind") if primal else what).encode()) % len(FILLS)]
     if scale is not None:
         value = data.get(scale.attr)
@@ -224,10 +266,11 @@ def edge_style(data: dict[str, Any], *, beside: bool = False) -> dict[str, str]:
     """
     style = {"minlen": "0"} if beside else {}
     shape = data.get("shape")
-    if isinstance(shape, (tuple, list)):
-        style["xlabel"] = quoted(" " + "×".join(map(str, shape)) + " ")
+    if isinstance(shape, (tuple, list)):  # (no more of a long one read than is shown)
+        dims = "×".join(clip(d) for d in itertools.islice(shape, LABEL_CHARS // 2 + 1))
+        style["xlabel"] = quoted(" " + clip(dims) + " ")
     elif data.get("tensors"):
-        style.update(xlabel=quoted(f" {data['tensors']} tensors "), penwidth="2")
+        style.update(xlabel=quoted(f" {clip(data['tensors'])} tensors "), penwidth="2")
     role = data.get("branch_role")
     if role == "skip":
         style.update(color=SKIP, penwidth="2.5", style=SKIP_STYLE)
@@ -238,8 +281,8 @@ def edge_style(data: dict[str, Any], *, beside: bool = False) -> dict[str, str]:
 
 def cluster_label(scope: str, module_type: Any) -> str:
     """The HTML-like label of a module's box: its path and class."""
-    kind_text = str(module_type or "").rsplit(".", 1)[-1]
-    return "<" + text(f"{scope}: {kind_text}" if kind_text else scope) + ">"
+    kind_text = clip(str(module_type or "").rsplit(".", 1)[-1])
+    return "<" + text(f"{clip(scope)}: {kind_text}" if kind_text else clip(scope)) + ">"
 
 
 class Scale:
@@ -310,7 +353,7 @@ def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
     left_out = G.graph.get("checks_left_out")
     if left_out:
         rows.append(
-            f'<TR><TD COLSPAN="2" ALIGN="LEFT">{left_out} assertion{"s" if left_out > 1 else ""} '
+            f'<TR><TD COLSPAN="2" ALIGN="LEFT">{clip(left_out)} assertion{"s" if left_out > 1 else ""} '
             'not drawn (checks=True)</TD></TR>'
         )
     if scale is not None:
@@ -320,9 +363,9 @@ def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
         )
         rows.append(
             f'<TR><TD ALIGN="LEFT">{scale.low:.3g}</TD><TD ALIGN="RIGHT">{scale.high:.3g}</TD></TR>'
-            f'<TR><TD COLSPAN="2">{text(scale.attr)}{" (log scale)" if scale.log else ""}</TD></TR>'
+            f'<TR><TD COLSPAN="2">{text(clip(scale.attr))}{" (log scale)" if scale.log else ""}</TD></TR>'
         )
-    title = text(str(G.graph.get("model") or "").rsplit(".", 1)[-1])
+    title = text(clip(str(G.graph.get("model") or "").rsplit(".", 1)[-1]))
     if title:  # (an empty <B></B> is a syntax error to dot)
         rows.insert(0, f'<TR><TD COLSPAN="2"><B>{title}</B></TD></TR>')
     if not rows:

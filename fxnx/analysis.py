@@ -6,13 +6,15 @@ so it works on a graph loaded from a file in an environment without torch.
 
 from __future__ import annotations
 
+import reprlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
 
-from .errors import FxnxValueError
+from .errors import FxnxValueError, GraphContractError
 
 __all__ = [
     "MERGE_TARGETS",
@@ -26,6 +28,10 @@ __all__ = [
     "summary",
     "topological_order",
 ]
+
+#: Short reprs of node names in messages: a stranger's graph may have huge ones.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
 
 #: Node targets that merge branches: ``(op, target)`` pairs. Additions and concatenations.
 MERGE_TARGETS = frozenset(
@@ -89,7 +95,27 @@ def topological_order(G: nx.MultiDiGraph) -> list[str]:
     >>> topological_order(G)
     ['x', 'a', 'b', 'out']
     """
-    return list(nx.lexicographical_topological_sort(G, key=lambda n: G.nodes[n].get("order", 0)))
+    try:
+        return list(nx.lexicographical_topological_sort(G, key=lambda n: G.nodes[n].get("order", 0)))
+    except nx.NetworkXUnfeasible as err:
+        raise cycle_error(G) from err
+
+
+def cycle_error(G: nx.MultiDiGraph) -> GraphContractError:
+    """The error for a graph that has a cycle, naming the first few nodes of one.
+
+    Examples
+    --------
+    >>> print(cycle_error(nx.MultiDiGraph([("x", "a"), ("a", "b"), ("b", "a")])))
+    G has a cycle through 'a' -> 'b' -> 'a': an fxnx graph is acyclic; fxnx.validate(G) checks a graph built or edited by hand
+    """
+    cycle = [u for u, *_ in nx.find_cycle(G)]
+    shown = [_SHORT.repr(u) for u in cycle[:5]]
+    shown.append(_SHORT.repr(cycle[0]) if len(cycle) <= 5 else f"... ({len(cycle)} nodes)")
+    return GraphContractError(
+        f"G has a cycle through {' -> '.join(shown)}: an fxnx graph is acyclic; "
+        "fxnx.validate(G) checks a graph built or edited by hand"
+    )
 
 
 def node_depths(G: nx.MultiDiGraph) -> dict[str, int]:
@@ -273,15 +299,10 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
             # No common fork because a branch also reads a side input (cross-attention reads
             # the encoder's output): an input that every other input descends from is the fork.
             fork = next((u for u in inputs if all(
-                v == u or u in nx.ancestors(flow, v) for v in inputs)), _ROOT)
+                v == u or v in _between(flow, u, v, order) for v in inputs)), _ROOT)
             if fork == _ROOT:
                 continue
-        below_fork = nx.descendants(flow, fork)
-        branches = []
-        for u in inputs:
-            nodes = (nx.ancestors(flow, u) | {u}) & below_fork if u != fork else set()
-            branches.append(tuple(sorted(nodes, key=order.get)))
-        branches.sort(key=len)
+        branches = sorted((_between(flow, fork, u, order) for u in inputs), key=len)
         residual = sorted({n for branch in branches[1:] for n in branch}, key=order.get)
         found.append(
             SkipConnection(
@@ -295,6 +316,29 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
     if annotate:
         _annotate(G, found)
     return found
+
+
+def _between(flow: nx.DiGraph, fork: Any, node: Any, order: dict[Any, int]) -> tuple[Any, ...]:
+    """The nodes on the paths from ``fork`` to ``node``, ``node`` included, in graph order:
+    ``node``'s ancestors that descend from ``fork`` (none where ``node`` is ``fork``).
+
+    The search goes up from ``node`` no further back than ``fork``'s place in the
+    topological ``order``: where ``fork`` dominates ``node``, every node it meets is on
+    such a path, so finding a merge's branches costs what they hold, not the graph's size.
+    """
+    if node == fork:
+        return ()
+
+    def later(w: Any) -> Iterator[Any]:  # w's inputs that come after fork
+        return (u for u in flow.predecessors(w) if order.get(u, -1) > order[fork])
+
+    up = sorted({node, *(v for _, v in nx.generic_bfs_edges(flow, node, neighbors=later))},
+                key=order.get)
+    below = {fork}  # of those, the ones that descend from fork: all of them, under a dominator
+    for w in up:
+        if any(u in below for u in flow.predecessors(w)):
+            below.add(w)
+    return tuple(w for w in up if w in below)
 
 
 def _annotate(G: nx.MultiDiGraph, skips: list[SkipConnection]) -> None:
@@ -313,9 +357,10 @@ def _annotate(G: nx.MultiDiGraph, skips: list[SkipConnection]) -> None:
             for node in branch:
                 G.nodes[node].setdefault("branch_role", role)
                 G.nodes[node].setdefault("branch_merge", s.merge)
-            # Only edges leaving the fork or a branch node can lie on the branch.
-            for u, v, data in G.out_edges([s.fork, *branch], data=True):
-                if (v == s.merge or v in members) and (role == "skip" or (u, v) != (s.fork, s.merge)):
+            # Only edges into a branch node or the merge can lie on the branch (a fork's
+            # out-edges can be many: one input read by every block).
+            for u, v, data in G.in_edges([*branch, s.merge], data=True):
+                if (u == s.fork or u in members) and (role == "skip" or (u, v) != (s.fork, s.merge)):
                     data.setdefault("branch_role", role)
                     data.setdefault("branch_merge", s.merge)
         G.nodes[s.fork].setdefault("branch_role", "fork")

@@ -21,7 +21,7 @@ from typing import Any
 import networkx as nx
 
 from ._checks import without_checks
-from ._collapse import collapse, collapsed_size, module_depth
+from ._collapse import collapse, collapsed_size, module_depth, module_path
 from ._fold import fold_parameters, folded_parameters
 from ._layout import NODE_PAD, Estimate, area_floor, beside_consumers, bounded_options, estimate
 from ._style import (
@@ -36,7 +36,7 @@ from ._style import (
     node_id,
     node_style,
 )
-from .analysis import skip_connections, topological_order
+from .analysis import cycle_error, skip_connections, topological_order
 from .errors import FxnxError, FxnxTypeError, FxnxValueError
 from .io import atomic_write
 
@@ -80,7 +80,10 @@ def to_pydot(
     node's element after it; each node's tooltip gives its op, target and
     output shape. The parameters and buffers that one node alone reads are
     listed on it, in italics, rather than drawn as nodes (coloured by
-    ``color_by``, each keeps a node in its own colour).
+    ``color_by``, each keeps a node in its own colour). A string longer than
+    80 characters (200 on a tooltip's line) is cut short with an ellipsis, and
+    a node id that long ends in a hash of the whole name: the DOT text grows
+    with the nodes and edges drawn, not with what their strings hold.
 
     Parameters
     ----------
@@ -96,7 +99,8 @@ def to_pydot(
         routing) to colour nodes by, with a colour bar in the legend; a log
         scale when the values are positive and span more than two decades.
     clusters : bool
-        Draw module boundaries (from each node's ``scope``) as boxes.
+        Draw module boundaries (from each node's ``scope``) as boxes, nested at
+        most 32 deep.
     rankdir : {"TB", "LR"}
         Top to bottom, or left to right.
     checks : bool
@@ -120,8 +124,15 @@ def to_pydot(
     ['_0']
     """
     _check({"rankdir": rankdir})
+    _acyclic(G)
     view = _view(G if checks else without_checks(G), depth, fold=color_by is None)
     return _pydot(view, color_by=color_by, clusters=clusters, rankdir=rankdir)
+
+
+def _acyclic(G: nx.MultiDiGraph) -> None:
+    """Refuse a graph with a cycle at once, naming its nodes, rather than deep in a layout."""
+    if not nx.is_directed_acyclic_graph(G):
+        raise cycle_error(G)
 
 
 def _view(G: nx.MultiDiGraph, depth: int | None, *, fold: bool = True) -> nx.MultiDiGraph:
@@ -174,7 +185,7 @@ def _pydot(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, rankd
         # Declared at the top, so that P.get_node(name) finds it; named in its module's box.
         dot.add_node(pydot.Node(node_id(node), **node_style(node, data, scale, primals.get(node),
                                                             boxed=clusters)))
-        cluster = parents.get(str(data.get("scope") or ""))
+        cluster = parents.get(module_path(str(data.get("scope") or "")))
         if cluster is not None:
             cluster.add_node(pydot.Node(node_id(node)))
     beside = beside_consumers(view)  # parameters sit beside their consumer, in its box
@@ -190,11 +201,12 @@ def _clusters(dot: Any, G: nx.MultiDiGraph) -> dict[str, Any]:
     import pydot
 
     modules = G.graph.get("modules", {})
-    scopes = sorted({str(d.get("scope") or "") for _, d in G.nodes(data=True)} - {""})
+    scopes = sorted({module_path(str(d.get("scope") or "")) for _, d in G.nodes(data=True)} - {""})
     needed = set()
     for scope in scopes:  # every ancestor of a used scope needs a box too
         parts = scope.split(".")
         needed.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+    needed.discard("")  # the top level, not a box (".x" would make one, holding itself)
     clusters: dict[str, Any] = {}
     for i, scope in enumerate(sorted(needed, key=lambda s: (s.count("."), s))):
         cluster = pydot.Cluster(
@@ -256,6 +268,7 @@ def draw(G: nx.MultiDiGraph, path: str | os.PathLike[str], *, dpi: int = 96, **o
         with atomic_write(path) as f:
             f.write(to_pydot(G, **options).to_string().encode())
         return path
+    _acyclic(G)
     if shutil.which("dot") is None:
         raise GraphvizNotFoundError(
             f"drawing {path.name} needs Graphviz's dot program, which is not installed. "
