@@ -412,3 +412,32 @@ def test_pythons_random_state_is_left_as_it_was():
     G = fxnx.convert(model, x)
     fxnx.route_credit(G, model, x)
     assert random.random() == want
+
+
+@pytest.mark.parametrize(
+    ("rule", "error", "match"),
+    [
+        (lambda call, credit, state: None, fxnx.FxnxTypeError, "returned NoneType None; a rule returns"),
+        (lambda call, credit, state: ([], {}), fxnx.FxnxValueError,
+         "returned 0 input credits; the node has 1 input occurrences .*give None"),
+        (lambda call, credit, state: (None, {}), fxnx.FxnxTypeError, "returned tuple .*; a rule returns"),
+    ],
+    ids=["none", "too-few", "no-list"],
+)
+@pytest.mark.parametrize("api", ["route_credit", "router"])
+def test_a_rule_that_returns_too_little_says_what_a_rule_returns(rule, error, match, api):
+    G, model, x = _mlp()
+    with pytest.raises(error, match=f"rule '<lambda>' at node '_2' {match}"):
+        if api == "route_credit":
+            fxnx.route_credit(G, model, x, rules={"_2": rule})
+        else:
+            fxnx.CreditRouter(G, model, rules={"_2": rule})(x).sum().backward()
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, __import__("pickle").dumps])
+def test_a_router_refuses_to_be_copied_and_says_what_to_save(how):
+    G, model, x = _mlp()
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    router(x)
+    with pytest.raises(fxnx.FxnxTypeError, match="save the model's state_dict and router.feedback"):
+        how(router)
