@@ -53,6 +53,7 @@ from .io import (
     write_json,
     write_pickle,
 )
+from .memory import MemoryProfile, memory_profile
 from .paths import path_length_counts, path_length_credit
 from .plot import plot_alignment, plot_census, plot_credit_by_depth
 from .receptive import ReceptiveField, receptive_fields
@@ -104,6 +105,7 @@ __all__ = [
     "GraphvizNotFoundError",
     "KolenPollack",
     "MERGE_TARGETS",
+    "MemoryProfile",
     "NODE_ATTRIBUTES",
     "NodeCall",
     "PRESETS",
@@ -127,6 +129,7 @@ __all__ = [
     "draw",
     "format_summary",
     "graph_from_capture",
+    "memory_profile",
     "method",
     "node_depths",
     "path_length_counts",

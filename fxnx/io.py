@@ -300,11 +300,29 @@ def _node_link_clash(G: nx.MultiDiGraph) -> str | None:
 
 
 def write_graphml(G: nx.MultiDiGraph, path: str | os.PathLike[str]) -> None:
-    """Export ``G`` as GraphML for Gephi or Cytoscape.
+    """Export ``G`` as GraphML for Gephi, Cytoscape, igraph or yEd.
 
-    GraphML holds only scalars, so tuples, lists and dicts (shapes,
-    ``node_call_info``) are written as JSON text; None values are left out.
-    This is an export: read graphs back from pickle or JSON.
+    GraphML declares each attribute once, with one type (``<key attr.name=...
+    attr.type=...>``), and holds scalars only, so attributes are written as:
+
+    * **Shapes** (``out_shape`` on nodes, ``shape`` on edges) as their sizes
+      joined by ``x``: ``"1x64x56x56"``, ``""`` for a 0-d tensor, a symbolic
+      size by its name (``"u0x3"``), with the rank beside it as a long
+      (``out_rank``, ``rank``). Several outputs are joined by ``"; "``
+      (``"2x3; 4"``, ``"?"`` for one not a tensor; a dict as
+      ``"logits: 2x10; hidden: 2x8"``), without a rank. A shape that this
+      cannot spell unambiguously (a name holding ``x``, ``;`` or ``:``) is
+      written as JSON text, as below.
+    * **Dtypes** (``out_dtype``, ``dtype``) as their names, several joined the
+      same way: ``"torch.float32; torch.int64"``.
+    * **Other lists, tuples and dicts** (``node_call_info``, ``inputs``) as
+      JSON text.
+    * **Scalars** as themselves, one type per attribute: ``boolean``,
+      ``long``, ``double`` where ints and floats mix, ``string`` where
+      anything else mixes (each value then as its JSON text: ``3``, ``true``).
+    * **None** is left out.
+
+    This is an export for other tools: read graphs back from pickle or JSON.
 
     Raises
     ------
@@ -314,29 +332,112 @@ def write_graphml(G: nx.MultiDiGraph, path: str | os.PathLike[str]) -> None:
         ``G`` breaks the graph contract, or a node name, attribute name or
         string attribute holds a character XML cannot hold (a control
         character such as U+0000 or U+001B, U+FFFE); nothing is written.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib, torch, fxnx
+    >>> G = fxnx.convert(torch.nn.Linear(3, 2), torch.zeros(4, 3))
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "g.graphml"
+    >>> write_graphml(G, path)
+    >>> H = nx.read_graphml(path)
+    >>> H.nodes["linear"]["out_shape"], H.nodes["linear"]["out_rank"], H.nodes["linear"]["out_dtype"]
+    ('4x2', 2, 'torch.float32')
     """
     _check_writable(G, path, "write_graphml")
-    for where, text in _texts(G, nested=False):  # the rest is written as JSON, which escapes it
-        found = _NOT_XML.search(text)
-        if found:
-            raise GraphContractError(
-                f"G holds text GraphML cannot write, so {os.fspath(path)!r} was not written: "
-                f"{where} holds U+{ord(found.group()):04X}, a character XML cannot hold"
-            )
+    for where, text in _texts(G, nested=False):  # JSON text escapes what it holds
+        _refuse_not_xml(where, text, path)
     H = nx.MultiDiGraph()
-    H.graph.update(_scalars(G.graph))
-    H.add_nodes_from((n, _scalars(d)) for n, d in G.nodes(data=True))
-    H.add_edges_from((u, v, k, _scalars(d)) for u, v, k, d in G.edges(keys=True, data=True))
+    H.graph.update(_one_type_each([_scalars(G.graph)])[0])
+    nodes = _one_type_each([_scalars(d) for _, d in G.nodes(data=True)])
+    edges = _one_type_each([_scalars(d) for *_, d in G.edges(keys=True, data=True)])
+    H.add_nodes_from(zip(G.nodes, nodes, strict=True))
+    H.add_edges_from((u, v, k, d) for (u, v, k), d in zip(G.edges(keys=True), edges, strict=True))
+    for where, text in _texts(H, nested=False):  # shapes and dtypes spelt out by _scalars
+        _refuse_not_xml(where, text, path)
     with atomic_write(path, "wb") as f:
         nx.write_graphml(H, f)
 
 
+def _refuse_not_xml(where: str, text: str, path: str | os.PathLike[str]) -> None:
+    found = _NOT_XML.search(text)
+    if found:
+        raise GraphContractError(
+            f"G holds text GraphML cannot write, so {os.fspath(path)!r} was not written: "
+            f"{where} holds U+{ord(found.group()):04X}, a character XML cannot hold"
+        )
+
+
+#: Attributes spelt as shapes (with the name of the rank written beside) or dtypes in GraphML.
+_SHAPES = {"out_shape": "out_rank", "shape": "rank"}
+_DTYPES = frozenset({"out_dtype", "dtype"})
+#: What one part of a ``"; "``-joined shape or dtype text may not hold.
+_SEPARATOR = re.compile(r";|:|^\?$")
+
+
 def _scalars(data: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: v if isinstance(v, (str, int, float, bool)) else json.dumps(_encode(v))
-        for k, v in data.items()
-        if v is not None
-    }
+    """One element's attributes as GraphML scalars: see :func:`write_graphml`."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if value is None:
+            continue
+        if isinstance(value, (str, int, float, bool)):
+            out[key] = value
+            continue
+        leaf = _size_text if key in _SHAPES else _dtype_text if key in _DTYPES else None
+        text = _joined(value, leaf) if leaf is not None else None
+        out[key] = text if text is not None else json.dumps(value)
+        if key in _SHAPES and text is not None and isinstance(value, tuple):
+            out[_SHAPES[key]] = len(value)
+    return out
+
+
+def _size_text(shape: Any) -> str | None:
+    """``"1x64x56x56"`` for a shape; None for anything else, or a size ``x`` cannot join."""
+    if not isinstance(shape, tuple):
+        return None
+    sizes = [str(d) for d in shape]
+    return None if any("x" in d or _SEPARATOR.search(d) for d in sizes) else "x".join(sizes)
+
+
+def _dtype_text(dtype: Any) -> str | None:
+    return dtype if isinstance(dtype, str) and not _SEPARATOR.search(dtype) else None
+
+
+def _joined(value: Any, leaf: Any) -> str | None:
+    """One shape or dtype as ``leaf`` spells it, or a flat list or dict of them joined by
+    ``"; "`` (``"?"`` for an item that is None, ``"key: ..."`` in a dict); None where that
+    text would be ambiguous (nested, empty, a key holding a separator)."""
+    if not isinstance(value, (list, dict)):
+        return leaf(value)
+    items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+    parts = []
+    for key, item in items:
+        text = "?" if item is None else leaf(item)
+        if text is None or (key is not None and _SEPARATOR.search(key)):
+            return None
+        parts.append(text if key is None else f"{key}: {text}")
+    return "; ".join(parts) if parts else None
+
+
+def _one_type_each(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with each attribute of one Python type across all of them, for one GraphML key:
+    bool, int, float (ints with floats), or str (anything else mixed, non-str values as JSON)."""
+    types: dict[str, set[type]] = {}
+    for row in rows:
+        for key, value in row.items():
+            types.setdefault(key, set()).add(type(value))
+    cast: dict[str, Any] = {}
+    for key, seen in types.items():
+        if seen == {int, float}:
+            cast[key] = float
+        elif len(seen) > 1 or any(_too_long(row.get(key)) for row in rows):
+            cast[key] = lambda v: v if type(v) is str else json.dumps(v)
+    return [{k: cast[k](v) if k in cast else v for k, v in row.items()} for row in rows]
+
+
+def _too_long(value: Any) -> bool:
+    """An int GraphML's long (64 bits) cannot hold."""
+    return type(value) is int and not -(2**63) <= value < 2**63
 
 
 # --- reading pickles ----------------------------------------------------------------------------
