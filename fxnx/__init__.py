@@ -45,6 +45,7 @@ from .errors import (
     ShapePropagationError,
     UnsafePickleError,
 )
+from .frames import PandasNotFoundError, cost_summary, cost_table, module_costs, to_frames
 from .io import (
     atomic_write,
     read_json,
@@ -109,6 +110,7 @@ __all__ = [
     "NODE_ATTRIBUTES",
     "NodeCall",
     "PRESETS",
+    "PandasNotFoundError",
     "Preset",
     "ReceptiveField",
     "RoutingState",
@@ -124,6 +126,8 @@ __all__ = [
     "capture",
     "census",
     "convert",
+    "cost_summary",
+    "cost_table",
     "credit_alignment",
     "credit_norm",
     "draw",
@@ -131,6 +135,7 @@ __all__ = [
     "graph_from_capture",
     "memory_profile",
     "method",
+    "module_costs",
     "node_depths",
     "path_length_counts",
     "path_length_credit",
@@ -145,6 +150,7 @@ __all__ = [
     "short_name",
     "skip_connections",
     "summary",
+    "to_frames",
     "to_pydot",
     "topological_order",
     "validate",

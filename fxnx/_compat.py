@@ -28,7 +28,10 @@ __all__ = [
     "PRIVATE_APIS",
     "FakeTensorMode",
     "OpOverload",
+    "TorchDispatchMode",
     "VALUE_READS",
+    "cpu_attention_formulas",
+    "decomposes",
     "extract_tensor_metadata",
     "global_module_hooks",
     "graph_module",
@@ -120,6 +123,19 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "attribute written in place since the capture",
         "no such writes are told apart: credit at a value written in place later is that of "
         "the written value",
+    ),
+    (
+        "torch.utils._python_dispatch.TorchDispatchMode, "
+        "torch._C.DispatchKey.CompositeImplicitAutograd",
+        "flops and macs on every node: each node runs again on meta tensors under a mode "
+        "that counts as FlopCounterMode does; ATen operators that can count nothing are skipped",
+        "flops and macs are None; without the dispatch key every ATen node runs again (slower)",
+    ),
+    (
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu and its backward",
+        "FLOPs of attention in ATen graphs captured on the CPU, with torch's formulas for "
+        "flash attention (FlopCounterMode has none for the CPU kernel)",
+        "those nodes count no FLOPs, as FlopCounterMode counts none for them",
     ),
     (
         "torch.autograd.graph.Node._sequence_nr",
@@ -304,3 +320,35 @@ def global_module_hooks() -> tuple[Any, ...]:
             "_global_forward_hooks_with_kwargs", "_global_is_full_backward_hook",
         ) if hasattr(module, name)
     )
+
+
+try:
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # pragma: no cover - every supported torch has it
+    TorchDispatchMode = None  # type: ignore[assignment,misc]
+
+
+def decomposes(op: Any) -> bool:
+    """Whether FlopCounterMode would decompose the ATen operator ``op`` (it has a
+    CompositeImplicitAutograd kernel); True where this torch cannot say, so it is run."""
+    key = getattr(getattr(torch._C, "DispatchKey", None), "CompositeImplicitAutograd", None)
+    if key is None:  # pragma: no cover
+        return True
+    return key in op.py_kernels or op.has_kernel_for_dispatch_key(key)
+
+
+def cpu_attention_formulas(registry: dict[Any, Any]) -> dict[Any, Any]:
+    """FLOP formulas for the CPU flash-attention kernels: torch's own for flash attention
+    (same arguments), which ``registry`` (FlopCounterMode's) lacks for the CPU kernels."""
+    aten = torch.ops.aten
+    same = {
+        "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu_backward":
+            "_scaled_dot_product_flash_attention_backward",
+    }
+    formulas = {}
+    for cpu, other in same.items():
+        cpu_op, other_op = getattr(aten, cpu, None), getattr(aten, other, None)
+        if cpu_op is not None and cpu_op not in registry and other_op in registry:
+            formulas[cpu_op] = registry[other_op]
+    return formulas

@@ -414,8 +414,14 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
         ``model``, ``nodes``, ``edges``, ``census`` (by op), ``targets``
         (census of call targets), ``num_params``, ``depth`` (longest path, in
         edges), ``skip_connections`` (count), ``identity_skips``,
-        ``largest_activation`` (node, shape and bytes of the biggest output).
+        ``largest_activation`` (node, shape and bytes of the biggest output),
+        ``costs`` (:func:`fxnx.cost_summary`: parameters trainable and frozen, FLOPs,
+        multiply-adds) and ``memory`` (the peak of live activation bytes over the pass
+        and its node, :func:`fxnx.memory_profile`; None where shapes are unknown).
     """
+    from .frames import cost_summary  # both read G alone; imported here: they import analysis'
+    from .memory import memory_profile  # neighbours, and summary is their one user here
+
     skips = skip_connections(G, annotate=False)  # a summary only reads G
     largest = {"node": None, "shape": None, "nbytes": 0}
     for node in topological_order(G):  # the first of equal size wins
@@ -441,7 +447,20 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
         "skip_connections": len(skips),
         "identity_skips": sum(s.identity for s in skips),
         "largest_activation": largest,
+        "costs": cost_summary(G),
+        "memory": _peak(memory_profile, G),
     }
+
+
+def _peak(profile: Any, G: nx.MultiDiGraph) -> dict[str, Any] | None:
+    """The memory peak of ``G``'s pass, or None where the graph has no shapes to count."""
+    try:
+        p = profile(G)
+    except FxnxValueError:
+        return None
+    if not p.peak_bytes:  # no shapes: nothing to count
+        return None
+    return {"bytes": p.peak_bytes, "node": p.peak_node, "saved_bytes": p.saved_bytes}
 
 
 def short_name(target: str) -> str:
@@ -478,6 +497,16 @@ def format_summary(info: dict[str, Any], top: int = 8) -> str:
             f"({info['largest_activation']['nbytes'] / 2**20:.2f} MiB)",
         ),
     ]
+    costs, peak = info.get("costs") or {}, info.get("memory")
+    if costs.get("trainable_params") is not None:
+        rows.append(("trainable / frozen", f"{costs['trainable_params']:,} / {costs['frozen_params']:,}"))
+    if costs.get("flops") is not None:
+        backward = f", {costs['backward_flops']:,} backward" if costs.get("backward_flops") else ""
+        rows.append(("FLOPs", f"{costs['flops']:,} ({costs['flops'] / 1e9:.2f} G{backward})"))
+        rows.append(("multiply-adds", f"{costs['macs']:,}" if costs.get("macs") is not None else "?"))
+    if peak:
+        saved = f"; {peak['saved_bytes'] / 2**20:.2f} MiB saved for backward" if peak["saved_bytes"] else ""
+        rows.append(("activation memory peak", f"{peak['bytes'] / 2**20:.2f} MiB at {peak['node']}{saved}"))
     if info["opaque_modules"]:
         rows.append(("opaque (not traced)", ", ".join(info["opaque_modules"])))
     rows += [("nodes by op", "")] + [(f"  {op}", n) for op, n in info["census"].items()]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ from . import _argtypes as argtypes
 from ._version import __version__
 from .analysis import format_summary, summary
 from .errors import FxnxError, FxnxValueError, first_line
+from .frames import cost_table
 from .io import read_json, read_pickle, write_json, write_pickle
 
 __all__ = ["main"]
@@ -195,6 +197,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Print the summary of a .pkl or .json graph file written by fxnx.",
     )
     info.add_argument("graph", help="a .pkl or .json graph file")
+    info.add_argument(
+        "--depth", type=argtypes.bounded(1), default=2,
+        help="the deepest modules in the cost table (the model's children are 1; default 2)",
+    )
+    info.add_argument("--json", action="store_true", help="print the summary as JSON instead")
     info.set_defaults(run=_info)
 
     draw = commands.add_parser(
@@ -360,7 +367,14 @@ def _read(path: str) -> Any:
 
 
 def _info(args: argparse.Namespace) -> int:
-    print(format_summary(summary(_read(args.graph))))
+    G = _read(args.graph)
+    if args.json:
+        print(json.dumps(summary(G), indent=2))
+        return 0
+    print(format_summary(summary(G)))
+    if "flops" in G.graph:  # graphs written before costs were recorded have no table
+        print()
+        print(cost_table(G, depth=args.depth))
     return 0
 
 

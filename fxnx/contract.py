@@ -130,6 +130,24 @@ def _str_or_none(value: Any) -> str | None:
     return None if value is None or type(value) is str else _got(value)
 
 
+def _counts(value: Any) -> str | None:
+    """A tuple of int >= 0 (one per spatial dimension)."""
+    if type(value) is not tuple or any(_count(v) for v in value):
+        return _got(value)
+    return None
+
+
+def _kernel(value: Any) -> str | None:
+    if value is None:
+        return None
+    return _record(
+        {"kernel_size": lambda v: None if v is None else _counts(v), "stride": _counts,
+         "padding": lambda v: None if type(v) is str else _counts(v), "dilation": _counts,
+         "groups": _count_or_none, "transposed": _scalar(bool)},
+        value,
+    )
+
+
 def _records(**fields: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
     """A list of dicts with exactly these keys."""
 
@@ -239,6 +257,7 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
     ),
     "skip connections": _records(merge=_scalar(str), fork=_scalar(str), skip=_str_list,
                                  residual=_str_list),
+    "kernel or None": _kernel,
 }
 
 #: When an attribute is present, in the words docs/graph.md uses.
@@ -247,6 +266,7 @@ PRESENCE = {
     "format_2": "from format_version 2 on",
     "make_fx": "when capture is make_fx",
     "fixed_kwargs": "when fxnx set keyword inputs",
+    "costs": "when G.graph has flops",
     "skip_connections": "after skip_connections",
     "route_credit": "after route_credit",
 }
@@ -275,6 +295,13 @@ GRAPH_ATTRIBUTES = (
     Attribute("modules", "dict str -> str", "always",
               "module path to qualified class name; \"\" is the model"),
     Attribute("num_params", "int >= 0", "always", "parameters of the model"),
+    Attribute("trainable_params", "int >= 0", "costs",
+              "parameters of the model that train (requires_grad); the rest are frozen"),
+    Attribute("flops", "int >= 0 or None", "costs",
+              "FLOPs of all nodes, forward and (joint graphs) backward, as FlopCounterMode "
+              "counts them; None without shapes or if any node's is None"),
+    Attribute("macs", "int >= 0 or None", "costs",
+              "multiply-adds of all nodes; None where flops is, or a node's is"),
     Attribute("opaque_modules", "list of str", "always",
               "submodules kept whole because tracing failed in them (leaf_on_failure)"),
     Attribute("fixed_kwargs", "plain dict", "fixed_kwargs",
@@ -307,6 +334,18 @@ NODE_ATTRIBUTES = (
     Attribute("out_dtype", "dtype", "always", "output dtype such as torch.float32, nested like out_shape"),
     Attribute("out_type", "str or None", "always", "qualified type name of the output value"),
     Attribute("num_params", "int >= 0", "always", "parameters the node owns"),
+    Attribute("trainable_params", "int >= 0", "costs",
+              "those of the node's parameters that train (requires_grad)"),
+    Attribute("flops", "int >= 0 or None", "costs",
+              "FLOPs of the node's call as FlopCounterMode counts them (matrix products, "
+              "convolutions, attention; 0 for the rest); None without shapes or where it "
+              "cannot run on meta tensors"),
+    Attribute("macs", "int >= 0 or None", "costs",
+              "multiply-adds: flops / 2, as torch's formulas count two FLOPs per "
+              "multiply-add; None where flops is, or for an operator registered by a user"),
+    Attribute("kernel", "kernel or None", "costs",
+              "window of a convolution or pooling node: {kernel_size, stride, padding, "
+              "dilation, groups, transposed}; None on other nodes"),
     Attribute("node_call_info", "plain dict", "always",
               "the call's arguments bound to the callee's parameter names, defaults filled in"),
     Attribute("phase", "phase", "always", "forward or backward (joint graphs)"),
@@ -367,6 +406,8 @@ def validate(G: Any) -> None:
         required.add("make_fx")
     if G.graph["format_version"] >= 2:
         required.add("format_2")
+    if "flops" in G.graph:
+        required.add("costs")
     _check_attributes(G.graph, _GRAPH, required, "G.graph")
     if not G:
         raise GraphContractError("G has no nodes: an fxnx graph has at least its output node")
@@ -460,4 +501,6 @@ def _describe(kind: str) -> str:
         "inputs": "a list of {name, shape, dtype} dicts",
         "primals": "a dict of {kind, name} dicts",
         "skip connections": "a list of {merge, fork, skip, residual} dicts",
+        "kernel or None": "None or a {kernel_size, stride, padding, dilation, groups, "
+                          "transposed} dict",
     }.get(kind, "an " + kind if kind[0] in "aeio" else "a " + kind)

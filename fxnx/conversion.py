@@ -1,13 +1,15 @@
 """A captured fx graph as a ``networkx.MultiDiGraph`` of plain Python data.
 
-Nothing here runs the model: it reads the fx graph and the metadata that
-:mod:`fxnx.capturing` recorded. The attributes it writes are the graph contract: see
-:mod:`fxnx.contract` and docs/graph.md.
+:func:`convert` captures the model and propagates the example inputs through the graph,
+counting each node's FLOPs on the way (:mod:`fxnx._costs`); building the graph reads the fx
+graph and the metadata that :mod:`fxnx.capturing` recorded, and runs nothing on real data.
+The attributes it writes are the graph contract: see :mod:`fxnx.contract` and docs/graph.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -20,9 +22,11 @@ from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from ._callinfo import bind_call, fetch_attr, occurrences, qualified_name
+from ._costs import kernel, node_flops, propagate_and_count
 from ._version import FORMAT_VERSION, __version__
-from .capturing import Capture, capture
+from .capturing import TRACING_LOCK, Capture, capture
 from .capturing.options import LeafSpec
+from .capturing.shapes import shape_source
 
 __all__ = ["convert", "graph_from_capture"]
 
@@ -110,20 +114,28 @@ def convert(
     ('operator.mul', (2, 3))
     """
     with _collection_paused():
-        cap = capture(
-            model,
-            example_inputs,
-            kwargs,
-            leaf_modules=leaf_modules,
-            concrete_args=concrete_args,
-            input_shape=input_shape,
-            dtype=dtype,
-            fake=fake,
-            level=level,
-            routes=routes,
-            leaf_on_failure=leaf_on_failure,
-        )
-        return graph_from_capture(cap)
+        with TRACING_LOCK:  # held from the capture through its shape propagation, as capture does
+            cap = capture(
+                model,
+                example_inputs,
+                kwargs,
+                leaf_modules=leaf_modules,
+                concrete_args=concrete_args,
+                propagate=False,  # propagated here, counting FLOPs on the way
+                input_shape=input_shape,
+                dtype=dtype,
+                fake=fake,
+                level=level,
+                routes=routes,
+                leaf_on_failure=leaf_on_failure,
+            )
+            flops = None
+            if cap.aten is None and cap.inputs is not None:  # make_fx recorded its shapes
+                flops = propagate_and_count(cap.gm, cap.model, cap.inputs, fake)
+                cap = dataclasses.replace(
+                    cap, propagated=True, shape_source=shape_source(cap.model, fake)
+                )
+        return _graph(cap, flops)
 
 
 @contextlib.contextmanager
@@ -145,7 +157,8 @@ def _collection_paused() -> Iterator[None]:
 
 
 def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
-    """Build the graph from an already captured model (no execution).
+    """Build the graph from an already captured model (nothing runs on real data: where
+    ``cap`` has shapes, FLOPs are counted by running its nodes on ``meta`` tensors).
 
     Examples
     --------
@@ -155,6 +168,14 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
     >>> sorted(G.nodes), G.nodes["relu"]["out_shape"] is None
     (['input_1', 'output', 'relu'], True)
     """
+    return _graph(cap, None)
+
+
+def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None) -> nx.MultiDiGraph:
+    """The graph of ``cap``; ``flops`` are its nodes' counts where propagation counted them."""
+    if flops is None and cap.shape_source is not None:
+        flops = node_flops(cap.gm, cap.inputs)
+    flops = flops or {}
     gm = cap.gm
     G = nx.MultiDiGraph()
     modules: dict[str, str] = {"": qualified_name(type(cap.model))}
@@ -162,12 +183,15 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
     opaque = set(cap.opaque)
     submodules = dict(gm.named_modules(remove_duplicate=False))  # one walk, not one per node
     described: dict[fx.Node, tuple[Any, Any, int | None]] = {}  # each value's, for its edges
+    trainable = _trainable(cap.model)
     for order, node in enumerate(gm.graph.nodes):
         module = _called_module(node, gm, submodules)
         info, names = bind_call(node, gm, module)
         out_shape, out_dtype, _ = described[node] = _describe(node.meta.get("tensor_meta"))
         stack = _module_stack(node, module)
         modules.update(stack)
+        num_params, trainable_params = _num_params(node, gm, module, primals, trainable)
+        node_cost = flops.get(node.name, (None, None))
         G.add_node(
             node.name,
             op=node.op,
@@ -178,7 +202,11 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
             out_shape=out_shape,
             out_dtype=out_dtype,
             out_type=qualified_name(node.meta["type"]) if "type" in node.meta else None,
-            num_params=_num_params(node, gm, module, primals),
+            num_params=num_params,
+            trainable_params=trainable_params,
+            flops=node_cost[0],
+            macs=node_cost[1],
+            kernel=kernel(node, module, info, lambda name: G.nodes[name]["out_shape"]),
             node_call_info=info,
             phase=node.meta.get("fxnx_phase", "forward"),
             opaque=node.op == "call_module" and node.target in opaque,
@@ -205,6 +233,10 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
         modules=modules,
         num_params=sum(p.numel() for p in gm.parameters())
         + sum(G.nodes[name]["num_params"] for name in primals),
+        trainable_params=sum(p.numel() for p in gm.parameters() if p.requires_grad)
+        + sum(G.nodes[name]["trainable_params"] for name in primals),
+        flops=_total(G, "flops"),
+        macs=_total(G, "macs"),
         level=cap.level,
         capture_failures=dict(cap.failures),
         capture_options=cap.options.to_plain(),
@@ -285,14 +317,34 @@ def _scope(node: fx.Node, stack: dict[str, str]) -> str:
 
 
 def _num_params(
-    node: fx.Node, gm: fx.GraphModule, module: nn.Module | None, primals: dict[str, dict[str, str]]
-) -> int:
-    """Parameters the node owns: its module's, the parameter it reads, or the one it stands for."""
-    if node.op == "placeholder" and primals.get(node.name, {}).get("kind") == "parameter":
-        return math.prod(node.meta["tensor_meta"].shape)
+    node: fx.Node, gm: fx.GraphModule, module: nn.Module | None,
+    primals: dict[str, dict[str, str]], trainable: set[str],
+) -> tuple[int, int]:
+    """Parameters the node owns, and how many of them train (``requires_grad``): its
+    module's, the parameter it reads, or the one it stands for (``trainable`` names the
+    model's parameters that train)."""
+    primal = primals.get(node.name, {})
+    if node.op == "placeholder" and primal.get("kind") == "parameter":
+        count = math.prod(node.meta["tensor_meta"].shape)
+        return count, count if primal["name"] in trainable else 0
     if module is not None:
-        return sum(p.numel() for p in module.parameters())
+        params = list(module.parameters())
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
     if node.op == "get_attr":
         value = fetch_attr(gm, str(node.target))
-        return value.numel() if isinstance(value, nn.Parameter) else 0
-    return 0
+        if isinstance(value, nn.Parameter):
+            return value.numel(), value.numel() if value.requires_grad else 0
+    return 0, 0
+
+
+def _trainable(model: Any) -> set[str]:
+    """Names of the model's parameters that train (a joint graph's primals lost the flag)."""
+    if not isinstance(model, nn.Module):
+        return set()
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _total(G: nx.MultiDiGraph, attribute: str) -> int | None:
+    """The sum of a count over the nodes; None if any node's is unknown."""
+    counts = [count for _, count in G.nodes(data=attribute)]
+    return None if None in counts else sum(counts)

@@ -492,3 +492,24 @@ def test_credit_help_names_every_preset(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     named = help_text.split("credit rule preset: ")[1].split(" (default")[0].split(" --")[0]
     assert sorted(name.strip(" ,.") for name in named.split(", ")) == sorted(fxnx.PRESETS)
+
+
+def test_info_shows_the_cost_table_and_json(tmp_path, capsys):
+    import json
+
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    path = tmp_path / "g.pkl"
+    fxnx.write_pickle(fxnx.convert(model, torch.zeros(5, 3)), path)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    # FLOPs by hand: 2·5·3·4 + 2·5·4·2 = 200; MACs half; 26 parameters.
+    assert "FLOPs                   200 (0.00 G)" in out and "multiply-adds           100" in out
+    assert "Module        Output shape  Params  Trainable  FLOPs  MACs" in out
+    assert "Total parameters: 26 (trainable 26, frozen 0)" in out
+    assert main(["info", "--json", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["costs"]["flops"] == 200 and data["costs"]["macs"] == 100
+    # Live activations by hand: the peak holds _0's (5,4) and _1's (5,4) float32 outputs.
+    assert data["memory"] == {"bytes": 160, "node": "_1", "saved_bytes": None}

@@ -1,0 +1,517 @@
+"""What each node costs: FLOPs and multiply-adds as torch counts them, and kernel windows.
+
+FLOPs are torch's own: a dispatch mode counts the operators each node runs the way
+:class:`torch.utils.flop_counter.FlopCounterMode` does, with its formulas
+(``flop_registry``): an ATen operator that has a formula counts it, one that has none is
+decomposed where torch can decompose it, and anything else counts nothing. Torch's
+formulas count matrix products, convolutions and attention, two FLOPs per multiply-add,
+so ``macs`` is half of ``flops``.
+
+It costs little because nothing runs just to be counted where something runs anyway:
+
+* :func:`propagate_and_count` counts while shape propagation runs the nodes (graphs traced by
+  ``symbolic_trace`` or ``torch.export``, with real, fake or ``meta`` tensors), at a few
+  microseconds per operator;
+* :func:`node_flops` counts graphs whose shapes ``make_fx`` recorded without a
+  propagation (``level="aten"`` and ``"joint"``): it runs each node again on ``meta``
+  tensors (shapes without data) made from the recorded metadata, and runs an ATen node
+  only if its operator has a formula or decomposes, an operator only once per argument
+  shapes.
+
+The CPU's flash-attention kernel, for which torch's registry has no formula (so
+``FlopCounterMode`` counts 0 for attention on the CPU), is counted with torch's formula
+for flash attention: two batched matrix products forward, as the math kernel and the
+fused CUDA kernels count. ``FlopCounterMode`` on the CPU agrees where attention runs the
+math kernel (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import re
+from collections.abc import Callable, Iterator
+from functools import cache
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import TensorMetadata
+from torch.utils.flop_counter import flop_registry
+
+from ._callinfo import fetch_attr
+from ._compat import (
+    FakeTensorMode,
+    OpOverload,
+    TorchDispatchMode,
+    cpu_attention_formulas,
+    decomposes,
+    op_schema,
+)
+from ._state import preserved
+from .capturing import TRACING_LOCK
+from .capturing.inputs import device_of
+from .capturing.shapes import _ShapeProp
+from .capturing.shapes import propagate as propagate_shapes
+from .errors import ShapePropagationError
+
+__all__ = ["kernel", "node_flops", "propagate_and_count"]
+
+#: Argument types an operator's cached result may depend on by value.
+_KEYED = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device,
+                    torch.layout, torch.memory_format})
+
+
+class _Unknown(Exception):
+    """A node's input whose value the recorded metadata does not give (``x.item()``)."""
+
+
+class _Counter(TorchDispatchMode or object):  # type: ignore[misc]
+    """Counts FLOPs as FlopCounterMode does, as the operators run: an operator with a
+    formula counts it, one without is decomposed where torch can, the rest count 0.
+
+    An operator that may count, called again with arguments of the same shapes, strides
+    and dtypes (every BatchNorm of one width in a ResNet), adds what it counted the first
+    time and runs as it is, without its decomposition.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.formulas = {**flop_registry, **cpu_attention_formulas(flop_registry)}
+        self.flops = self.macs = self.other = 0  # other: FLOPs of formulas not of ATen's
+        self._may_count: dict[Any, bool] = {}
+        self._seen: dict[Any, Any] = {}  # operator and argument signature to what it counted
+
+    def take(self) -> tuple[int, int | None]:
+        """The FLOPs and multiply-adds counted since the last take."""
+        counted = self.flops, (None if self.other else self.macs)
+        self.flops = self.macs = self.other = 0
+        return counted
+
+    def may_count(self, op: Any) -> bool:
+        """Whether the ATen operator ``op`` can count anything: it has a formula or decomposes."""
+        may = self._may_count.get(op)
+        if may is None:
+            may = self._may_count[op] = op.overloadpacket in self.formulas or (
+                op is not torch.ops.prim.device.default and decomposes(op))
+        return may
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.may_count(func):
+            return func(*args, **kwargs)
+        key = _key(func, args, kwargs)
+        seen = self._seen.get(key) if key is not None else None
+        if seen is not None:
+            self._add(seen)
+            return func(*args, **kwargs)
+        before = self.flops, self.macs, self.other
+        out = self._count(func, args, kwargs)
+        if key is not None:
+            self._seen[key] = (self.flops - before[0], self.macs - before[1], self.other - before[2])
+        return out
+
+    def _add(self, counted: tuple[int, int, int]) -> None:
+        self.flops, self.macs, self.other = (
+            self.flops + counted[0], self.macs + counted[1], self.other + counted[2])
+
+    def _count(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """FlopCounterMode's rule for an operator that may count."""
+        formula = self.formulas.get(func.overloadpacket)
+        if formula is None:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if formula is not None:
+            flops = int(formula(*args, **kwargs, out_val=out))
+            self.flops += flops
+            if func.namespace == "aten":  # torch's formulas: two FLOPs per multiply-add
+                self.macs += flops // 2
+            else:
+                self.other += flops
+        return out
+
+
+class _MetaCounter(_Counter):
+    """A :class:`_Counter` that runs every operator on ``meta`` tensors.
+
+    Tensors that are not on ``meta`` (the model's parameters and buffers, constants) are
+    replaced by ``meta`` tensors of the same shape, so nothing the user owns is written.
+    An operator that writes none of its arguments runs once per argument signature: called
+    again, it adds what it counted and gives tensors of the shapes it gave.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = self._on_meta((tuple(args), kwargs or {}))
+        key = _key(func, args, kwargs) if _functional(func) else None
+        seen = self._seen.get(key) if key is not None else None
+        if seen is not None:
+            self._add(seen[0])
+            return _rebuilt(seen[1])
+        before = self.flops, self.macs, self.other
+        out = self._count(func, args, kwargs) if self.may_count(func) else func(*args, **kwargs)
+        if key is not None and (described := _description(out)) is not None:
+            counted = self.flops - before[0], self.macs - before[1], self.other - before[2]
+            self._seen[key] = (counted, described)
+        return out
+
+    def _on_meta(self, value: Any) -> Any:
+        """``value`` with its tensors on ``meta``."""
+        if isinstance(value, torch.Tensor):
+            if value.is_meta:
+                return value
+            kept = self._meta.get(id(value))
+            if kept is None or kept[1] is not value:
+                kept = self._meta[id(value)] = (value.to("meta"), value)
+            return kept[0]
+        if type(value) in (list, tuple):
+            return type(value)(self._on_meta(v) for v in value)
+        if type(value) is dict:
+            return {k: self._on_meta(v) for k, v in value.items()}
+        return value
+
+
+def _key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func`` and the signature of its arguments; None where it cannot be said."""
+    key = _signature(args)
+    if kwargs and key is not None:
+        key = key, _signature(kwargs)
+        if key[1] is None:
+            return None
+    return None if key is None else (func, key)
+
+
+def _signature(value: Any) -> Any:
+    """What an operator's result may depend on in ``value``: the shapes, strides and dtypes
+    of tensors, other values themselves; None where that cannot be said."""
+    if isinstance(value, torch.Tensor):
+        if value.layout is not torch.strided:
+            return None
+        return value.shape, value.stride(), value.dtype, value.device
+    if type(value) in (list, tuple, torch.Size):
+        if all(type(v) is int for v in value):  # sizes, strides, paddings: most lists
+            return type(value), tuple(value)
+        parts = tuple(_signature(v) for v in value)
+        return None if None in parts else (type(value), parts)
+    if type(value) is dict:
+        parts = tuple((k, _signature(v)) for k, v in value.items())
+        return None if any(p is None for _, p in parts) else (dict, parts)
+    if type(value) in _KEYED:
+        return type(value), value
+    return None
+
+
+@cache
+def _functional(func: Any) -> bool:
+    """Whether ``func`` writes none of its arguments and returns no view of them."""
+    schema = op_schema(func)
+    return (schema is not None and not schema.is_mutable
+            and all(r.alias_info is None for r in schema.returns))
+
+
+def _description(value: Any) -> Any:
+    """What :func:`_rebuilt` needs to make ``value`` again (None if it cannot)."""
+    if type(value) is torch.Tensor:
+        return torch.Tensor, value.shape, value.stride(), value.dtype
+    if type(value) in (list, tuple):
+        parts = tuple(_description(v) for v in value)
+        return None if None in parts else (type(value), parts)
+    return (type(value), value) if type(value) in _KEYED else None
+
+
+def _rebuilt(described: Any) -> Any:
+    kind = described[0]
+    if kind is torch.Tensor:
+        return torch.empty_strided(described[1], described[2], dtype=described[3], device="meta")
+    if kind is list or kind is tuple:
+        return kind(_rebuilt(d) for d in described[1])
+    return described[1]
+
+
+class _CountingShapeProp(_ShapeProp):
+    """Shape propagation that takes, after each node, what its counter counted meanwhile."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.counter = _Counter()
+        self.counts: dict[str, tuple[int | None, int | None]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.counts[n.name] = self.counter.take()
+        return result
+
+
+def propagate_and_count(
+    gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool
+) -> dict[str, tuple[int | None, int | None]] | None:
+    """Propagate shapes as :func:`fxnx.capturing.shapes.propagate` does, counting each
+    node's FLOPs and multiply-adds as it runs; return them by node name.
+
+    torch's fused transformer fast path is off meanwhile, as while tracing: under
+    ``no_grad`` ``nn.MultiheadAttention`` would run one fused operator that no formula
+    counts, projections included. Where counting gets in the way of running a node (an
+    operator torch's dispatch modes cannot run), shapes are propagated without it and the
+    counts are None.
+
+    Raises
+    ------
+    ShapePropagationError
+        As :func:`fxnx.capturing.shapes.propagate`: the inputs do not fit the model.
+    """
+    if TorchDispatchMode is None:  # pragma: no cover
+        propagate_shapes(gm, model, inputs, fake)
+        return None
+    counting = _CountingShapeProp(gm)
+    try:
+        with preserved(model), torch.no_grad(), _fast_path_off():
+            if fake and device_of(model).type != "meta":
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                             for x in inputs]
+                    with counting.counter:
+                        counting.run(*fakes)
+            else:
+                with counting.counter:
+                    counting.run(*inputs)
+    except ShapePropagationError:
+        propagate_shapes(gm, model, inputs, fake)  # raises again if counting was not the cause
+        return None
+    return counting.counts
+
+
+def node_flops(
+    gm: fx.GraphModule, inputs: list[Any] | None = None
+) -> dict[str, tuple[int | None, int | None]]:
+    """FLOPs and multiply-adds of each node of ``gm``, by node name.
+
+    ``gm`` carries the metadata of shape propagation (``meta["tensor_meta"]``);
+    ``inputs``, one value per placeholder, give the inputs that are not tensors (flags).
+    A node whose inputs neither gives (a value read with ``.item()``), or whose call
+    fails on ``meta`` tensors, counts ``(None, None)``.
+
+    Examples
+    --------
+    >>> from torch.fx.passes.shape_prop import ShapeProp
+    >>> gm = fx.symbolic_trace(nn.Linear(3, 2))
+    >>> _ = ShapeProp(gm).propagate(torch.zeros(4, 3))
+    >>> node_flops(gm)  # 4 rows x 3 inputs x 2 outputs multiply-adds
+    {'input_1': (0, 0), 'weight': (0, 0), 'bias': (0, 0), 'linear': (48, 24), 'output': (0, 0)}
+    """
+    if TorchDispatchMode is None:  # pragma: no cover
+        return {node.name: (None, None) for node in gm.graph.nodes}
+    counter = _MetaCounter()
+    submodules = dict(gm.named_modules(remove_duplicate=False))
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    values: dict[fx.Node, Any] = {
+        node: value for node, value in zip(placeholders, inputs or (), strict=False)
+        if "tensor_meta" not in node.meta and type(value) in _KEYED
+    }
+
+    def value_of(node: fx.Node) -> Any:
+        if node not in values:
+            try:
+                values[node] = _recorded_value(node, gm)
+            except _Unknown:
+                values[node] = _Unknown
+        if values[node] is _Unknown:
+            raise _Unknown(node.name)
+        return values[node]
+
+    counts: dict[str, tuple[int | None, int | None]] = {}
+    # The lock: other threads' tracing must not patch the modules this calls.
+    with TRACING_LOCK, torch.no_grad(), _random_state_kept():
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr", "output") or (
+                isinstance(node.target, OpOverload) and not counter.may_count(node.target)
+            ):
+                counts[node.name] = (0, 0)
+                continue
+            try:
+                args, kwargs = fx.map_arg((node.args, node.kwargs), value_of)
+                with counter:
+                    out = _call(node, args, kwargs, gm, submodules)
+            except Exception:  # cannot be run on meta tensors: its cost is unknown
+                counter.take()
+                out = _Unknown
+                counts[node.name] = (None, None)
+            else:
+                counts[node.name] = counter.take()
+            if "tensor_meta" not in node.meta:  # a value that is not a tensor (x.size(0))
+                values[node] = out
+    return counts
+
+
+def _call(node: fx.Node, args: Any, kwargs: Any, gm: fx.GraphModule,
+          submodules: dict[str, nn.Module]) -> Any:
+    if node.op == "call_module":
+        module = submodules.get(str(node.target))
+        if module is None:  # a path named_modules() skipped (a module registered twice)
+            module = gm.get_submodule(str(node.target))
+        with _attributes_kept(module):
+            return module(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _recorded_value(node: fx.Node, gm: fx.GraphModule) -> Any:
+    """A node's value as the metadata records it: tensors as ``meta`` tensors."""
+    if "tensor_meta" in node.meta:
+        return _from_metadata(node.meta["tensor_meta"])
+    if node.op == "get_attr":
+        return fetch_attr(gm, str(node.target))
+    if "val" in node.meta and type(node.meta["val"]) in _KEYED:  # tracers' non-tensor values
+        return node.meta["val"]
+    return _Unknown
+
+
+def _from_metadata(meta: Any) -> Any:
+    if isinstance(meta, TensorMetadata):
+        if not all(type(d) is int for d in meta.shape):
+            raise _Unknown(f"symbolic shape {tuple(meta.shape)}")
+        if meta.stride is None:
+            return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+    if isinstance(meta, (list, tuple)):
+        items = [_from_metadata(m) for m in meta]
+        try:
+            return type(meta)(items)
+        except TypeError:  # a named tuple
+            return type(meta)(*items)
+    if isinstance(meta, dict):
+        return {k: _from_metadata(m) for k, m in meta.items()}
+    return meta
+
+
+@contextlib.contextmanager
+def _fast_path_off() -> Iterator[None]:
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """Factory calls inside a forward (``torch.rand(1)``) may draw numbers: give them back."""
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(state)
+
+
+@contextlib.contextmanager
+def _attributes_kept(module: nn.Module) -> Iterator[None]:
+    """Undo attributes a module's forward sets (a cache ``self.k = x``): they would hold
+    ``meta`` tensors. torch.nn's own layers set none and are not watched."""
+    watched = [m for m in module.modules() if not type(m).__module__.startswith("torch.nn.")]
+    saved = [(m, dict(vars(m)), {k: dict(v) for k, v in vars(m).items() if type(v) is dict})
+             for m in watched]
+    try:
+        yield
+    finally:
+        for m, attributes, tables in saved:
+            state = vars(m)
+            state.clear()
+            state.update(attributes)
+            for name, table in tables.items():
+                state[name].clear()
+                state[name].update(table)
+
+
+# --- kernel windows -----------------------------------------------------------------------------
+
+_CONV = re.compile(r"_?conv(_transpose)?([123])d|_?convolution")
+_POOL = re.compile(r"_?(max|avg)_pool([123])d(_with_indices)?")
+_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                 nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_POOL_MODULES = {cls: int(cls.__name__[-2]) for cls in (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)}
+#: F.max_pool2d and its kin take ``*args``: their parameters, in order.
+_POOL_PARAMETERS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
+
+
+def kernel(
+    node: fx.Node, module: nn.Module | None, info: dict[str, Any],
+    shape_of: Callable[[str], Any],
+) -> dict[str, Any] | None:
+    """The window of a convolution or pooling node, or None for any other node.
+
+    ``info`` is the node's ``node_call_info``; ``shape_of(name)`` gives the output shape
+    of the node of that name (the weight's). Layers give their attributes; functions and
+    ATen operators their arguments.
+
+    Examples
+    --------
+    >>> conv = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+    >>> gm = fx.symbolic_trace(conv)
+    >>> node = list(gm.graph.nodes)[1]
+    >>> kernel(node, conv, {}, lambda name: None)
+    {'kernel_size': (3, 3), 'stride': (2, 2), 'padding': (1, 1), 'dilation': (1, 1), 'groups': 1, 'transposed': False}
+    """
+    if module is not None:
+        return _module_kernel(module)
+    if node.op != "call_function":
+        return None
+    target = node.target
+    name = target.overloadpacket.__name__ if isinstance(target, OpOverload) else getattr(target, "__name__", "")
+    if (conv := _CONV.fullmatch(name)) is not None:
+        weight = shape_of(info["weight"]) if isinstance(info.get("weight"), str) else None
+        size = tuple(weight[2:]) if isinstance(weight, tuple) and len(weight) > 2 else None
+        dims = int(conv.group(2)) if conv.group(2) else (len(size) if size else None)
+        if dims is None:
+            return None
+        return _window(size, info.get("stride", 1), info.get("padding", 0),
+                       info.get("dilation", 1), dims, groups=info.get("groups", 1),
+                       transposed=bool(conv.group(1) or info.get("transposed", False)))
+    if (pool := _POOL.fullmatch(name)) is not None:
+        if "args" in info:  # bound to (*args, **kwargs)
+            info = {**dict(zip(_POOL_PARAMETERS, info["args"], strict=False)), **info["kwargs"]}
+        dims = int(pool.group(2))
+        size = _tuple(info["kernel_size"], dims)
+        return _window(size, info.get("stride") or size, info.get("padding", 0),
+                       info.get("dilation", 1), dims)
+    return None
+
+
+def _module_kernel(module: nn.Module) -> dict[str, Any] | None:
+    if isinstance(module, _CONV_MODULES):
+        dims = len(module.kernel_size)
+        return _window(module.kernel_size, module.stride, module.padding, module.dilation, dims,
+                       groups=module.groups, transposed=module.transposed)
+    for cls, dims in _POOL_MODULES.items():
+        if isinstance(module, cls):
+            return _window(module.kernel_size, module.stride or module.kernel_size,
+                           module.padding, getattr(module, "dilation", 1), dims)
+    return None
+
+
+def _window(size: Any, stride: Any, padding: Any, dilation: Any, dims: int,
+            groups: int | None = None, transposed: bool = False) -> dict[str, Any]:
+    return {
+        "kernel_size": None if size is None else _tuple(size, dims),
+        "stride": _tuple(stride, dims),
+        "padding": padding if isinstance(padding, str) else _tuple(padding, dims),
+        "dilation": _tuple(dilation, dims),
+        "groups": groups,
+        "transposed": transposed,
+    }
+
+
+def _tuple(value: Any, dims: int) -> tuple[int, ...]:
+    """An int or a sequence as one int per spatial dimension (torch's ``_ntuple``)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value) * (dims if len(value) == 1 else 1)
+    return (int(value),) * dims

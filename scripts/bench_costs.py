@@ -1,0 +1,116 @@
+"""What recording costs adds to ``fxnx.convert`` (issue 24), as ratios.
+
+For each model, in one run, interleaved run by run: ``convert`` as it is (FLOPs,
+multiply-adds, trainable parameters and kernel windows recorded) against ``convert`` with
+the FLOP count switched off, which is ``convert`` before costs: shape propagation without
+the counting mode (``fxnx.conversion.propagate_and_count`` replaced by torch.fx-style propagation
+alone) and no count on meta tensors for make_fx graphs (``fxnx.conversion.node_flops``
+replaced by a function that counts nothing). The other cost attributes are read from
+attributes and arguments convert already has. Target: <= 1.10x.
+
+For context it also times ``convert`` with a dispatch mode that does nothing around the
+same propagation: the floor any count made by a dispatch mode (``FlopCounterMode``'s too)
+starts from.
+
+Run: ``python scripts/bench_costs.py [--models resnet50 bert-base] [--level aten] [--runs N]``.
+Models are built from configs with random weights; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import torch
+import torchvision
+from bench import _interleaved  # scripts/ is on sys.path when this script runs
+
+import fxnx
+from fxnx import conversion
+from fxnx._compat import TorchDispatchMode
+from fxnx.capturing.shapes import propagate as propagate_shapes
+
+
+def _resnet50() -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    return torchvision.models.resnet50(weights=None).eval(), (torch.randn(1, 3, 224, 224),)
+
+
+def _bert_base() -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    import transformers
+
+    model = transformers.BertModel(transformers.BertConfig()).eval()  # BERT-base: 12 layers, 768 wide
+    return model, (torch.randint(0, 30522, (1, 128)),)
+
+
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple[Any, ...]]]] = {
+    "resnet50": _resnet50,
+    "bert-base": _bert_base,
+}
+
+
+def _propagate_uncounted(gm: Any, model: Any, inputs: Any, fake: bool) -> dict[str, Any]:
+    propagate_shapes(gm, model, inputs, fake)
+    return {}
+
+
+def _count_nothing(gm: Any, inputs: Any = None) -> dict[str, Any]:
+    return {}
+
+
+class _Nothing(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _propagate_in_empty_mode(gm: Any, model: Any, inputs: Any, fake: bool) -> dict[str, Any]:
+    with _Nothing():
+        propagate_shapes(gm, model, inputs, fake)
+    return {}
+
+
+def bench(name: str, runs: int, level: str) -> float:
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+
+    def with_costs() -> None:
+        fxnx.convert(model, *inputs, level=level)
+
+    def without_costs() -> None:
+        with mock.patch.object(conversion, "propagate_and_count", _propagate_uncounted), \
+                mock.patch.object(conversion, "node_flops", _count_nothing):
+            fxnx.convert(model, *inputs, level=level)
+
+    def empty_mode() -> None:
+        with mock.patch.object(conversion, "propagate_and_count", _propagate_in_empty_mode), \
+                mock.patch.object(conversion, "node_flops", _count_nothing):
+            fxnx.convert(model, *inputs, level=level)
+
+    G = fxnx.convert(model, *inputs, level=level)
+    ours, base = _interleaved(with_costs, without_costs, runs)
+    print(
+        f"convert({name}, level={level!r}) with costs: {ours / base:.3f}x of convert without "
+        f"(median of {runs}: {ours * 1e3:.1f} ms vs {base * 1e3:.1f} ms; target <= 1.10x; "
+        f"{G.number_of_nodes()} nodes, {G.graph['capture']}, {G.graph['flops']:,} FLOPs)"
+    )
+    if level == "module":
+        floor, base = _interleaved(empty_mode, without_costs, runs)
+        print(f"  floor: an empty dispatch mode around the propagation: {floor / base:.3f}x")
+    return ours / base
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--level", choices=["module", "aten"], default="module",
+                        help="module (the default): counted while shapes propagate; aten: "
+                             "make_fx graphs, counted on meta tensors")
+    parser.add_argument("--runs", type=int, default=11, help="timed runs of each side (default 11)")
+    args = parser.parse_args()
+    for name in args.models:
+        bench(name, args.runs, args.level)
+
+
+if __name__ == "__main__":
+    main()
