@@ -506,7 +506,7 @@ def format_summary(info: dict[str, Any], top: int = 8) -> str:
         rows.append(("multiply-adds", f"{costs['macs']:,}" if costs.get("macs") is not None else "?"))
     if peak:
         saved = f"; {peak['saved_bytes'] / 2**20:.2f} MiB saved for backward" if peak["saved_bytes"] else ""
-        rows.append(("activation memory peak", f"{peak['bytes'] / 2**20:.2f} MiB at {peak['node']}{saved}"))
+        rows.append(("memory peak", f"{peak['bytes'] / 2**20:.2f} MiB at {peak['node']}{saved}"))
     if info["opaque_modules"]:
         rows.append(("opaque (not traced)", ", ".join(info["opaque_modules"])))
     rows += [("nodes by op", "")] + [(f"  {op}", n) for op, n in info["census"].items()]

@@ -505,7 +505,7 @@ def test_info_shows_the_cost_table_and_json(tmp_path, capsys):
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
     # FLOPs by hand: 2·5·3·4 + 2·5·4·2 = 200; MACs half; 26 parameters.
-    assert "FLOPs                   200 (0.00 G)" in out and "multiply-adds           100" in out
+    assert "FLOPs                 200 (0.00 G)" in out and "multiply-adds         100" in out
     assert "Module        Output shape  Params  Trainable  FLOPs  MACs" in out
     assert "Total parameters: 26 (trainable 26, frozen 0)" in out
     assert main(["info", "--json", str(path)]) == 0
