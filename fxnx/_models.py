@@ -83,7 +83,19 @@ def _describe(err: BaseException) -> str:
 
 
 def _torchvision(name: str) -> nn.Module:
-    import torchvision
+    try:
+        import torchvision
+    except ModuleNotFoundError:
+        raise FxnxValueError(
+            f"model {name!r} is a torchvision name, and torchvision is not installed: "
+            "pip install 'fxnx[vision]', or give your own model as package.module:factory"
+        ) from None
+    except Exception as err:  # a torchvision built for another torch fails in its own import
+        raise FxnxValueError(
+            f"model {name!r} is a torchvision name, and torchvision fails to import "
+            f"({type(err).__name__}: {first_line(err)}): it must be the build made for torch "
+            f"{torch.__version__} (pip install 'fxnx[vision]' picks one)"
+        ) from None
 
     names = torchvision.models.list_models()
     if name not in names:

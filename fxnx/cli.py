@@ -58,11 +58,21 @@ def _run(args: argparse.Namespace) -> int:
             return int(args.run(args))
     except (KeyboardInterrupt, _Terminated) as stop:
         return _stopped(f"fxnx {args.command}", stop)
+    except BrokenPipeError:  # the reader left (fxnx info g.pkl | head -1): nothing to say
+        _quiet_stdout()
+        return 128 + signal.SIGPIPE
     except (Exception, SystemExit) as err:  # SystemExit: a model's own code called sys.exit
         if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
             traceback.print_exc()
         print(f"fxnx {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so flushing it at exit raises no second BrokenPipeError."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 class _Terminated(BaseException):

@@ -21,7 +21,13 @@ COLORS = ("#1A73E8", "#E8710A", "#137333", "#C5221F", "#9334E6")
 
 
 def _axes(ax: Any) -> Any:
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError(
+            f"fxnx's plots need matplotlib, which is not installed here ({err}): "
+            "pip install 'fxnx[plot]'"
+        ) from None
 
     if ax is not None:
         return ax

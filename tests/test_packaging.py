@@ -127,3 +127,80 @@ def test_version_prints_without_torch():
     proc = run_without_torch("from fxnx.cli import main; raise SystemExit(main(['--version']))")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"fxnx {fxnx.__version__}"
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_beside_a_cpu_torch_2_13_and_keeps_it(wheel, tmp_path):
+    """A user's environment with the CPU build of torch 2.13.0: installing fxnx keeps that
+    torch, brings neither torchvision nor matplotlib, and the library and the CLI work."""
+    env_dir = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True)
+    python, fxnx_cli = env_dir / "bin" / "python", env_dir / "bin" / "fxnx"
+
+    def pip(*args: str) -> None:
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *args],
+                              capture_output=True, text=True, check=False, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    def installed() -> dict[str, str]:
+        out = subprocess.run([str(python), "-m", "pip", "list", "--format=json"],
+                             capture_output=True, text=True, check=True).stdout
+        import json
+
+        return {p["name"].lower(): p["version"] for p in json.loads(out)}
+
+    pip("torch==2.13.0")
+    before = installed()
+    if not before.get("torch", "").endswith("+cpu"):
+        pytest.skip("the CPU wheel of torch 2.13.0 is not on this machine's local disk")
+    pip(str(wheel))
+    after = installed()
+    assert after["torch"] == before["torch"] == "2.13.0+cpu"
+    assert "torchvision" not in after and "matplotlib" not in after
+    assert {"fxnx", "networkx", "pydot"} <= set(after)
+    script = textwrap.dedent(
+        """
+        import shutil, torch, fxnx
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        model = model.double()
+        x = torch.randn(5, 3, dtype=torch.float64)
+        G = fxnx.convert(model, x)
+        res = fxnx.route_credit(G, model, x)
+        x_ = x.clone().requires_grad_()
+        (want,) = torch.autograd.grad(model(x_).sum(), x_)
+        assert torch.equal(res.node_credit["input_1"], want)
+        fxnx.write_pickle(G, "g.pkl")
+        fxnx.draw(G, "g.svg" if shutil.which("dot") else "g.dot")
+        print(torch.__version__)
+        """
+    )
+    run = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                         check=False, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "2.13.0+cpu"
+    for args in (["info", "g.pkl"], ["draw", "g.pkl", "-o", "g2.dot"]):
+        done = subprocess.run([str(fxnx_cli), *args], cwd=tmp_path, capture_output=True, text=True,
+                              check=False, timeout=300)
+        assert done.returncode == 0, done.stderr
+    done = subprocess.run([str(fxnx_cli), "convert", "resnet18", "--input-shape", "1,3,32,32"],
+                          cwd=tmp_path, capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "fxnx convert: error: model 'resnet18' is a torchvision name, and torchvision is not "
+        "installed: pip install 'fxnx[vision]', or give your own model as package.module:factory"
+    )
+    assert "Traceback" not in done.stderr
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
+    import torch
+
+    import fxnx
+
+    path = tmp_path / "g.pkl"
+    fxnx.write_pickle(fxnx.convert(torch.nn.Linear(3, 2), torch.zeros(1, 3)), path)
+    proc = subprocess.Popen([sys.executable, "-m", "fxnx", "info", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before the first line (as `| head -0` does)
+    _, err = proc.communicate(timeout=120)
+    assert err == b"" and proc.returncode == 141
