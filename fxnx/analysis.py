@@ -342,30 +342,40 @@ def _between(flow: nx.DiGraph, fork: Any, node: Any, order: dict[Any, int]) -> t
 
 
 def _annotate(G: nx.MultiDiGraph, skips: list[SkipConnection]) -> None:
+    # Every node and edge gets both attributes, None off every branch: tools that want one set
+    # of attribute names on all nodes (torch_geometric's from_networkx) read every graph.
     for _, data in G.nodes(data=True):
-        data.pop("branch_role", None), data.pop("branch_merge", None)
+        data["branch_role"] = data["branch_merge"] = None
     for *_, data in G.edges(data=True):
-        data.pop("branch_role", None), data.pop("branch_merge", None)
-    G.graph["skip_connections"] = [
-        {"merge": s.merge, "fork": s.fork, "skip": list(s.skip), "residual": list(s.residual)}
-        for s in skips
-    ]
+        data["branch_role"] = data["branch_merge"] = None
+    G.graph.pop("skip_connections", None)
+    if skips:  # an empty list breaks torch_geometric's from_networkx: written only when found
+        G.graph["skip_connections"] = [
+            {"merge": s.merge, "fork": s.fork, "skip": list(s.skip), "residual": list(s.residual)}
+            for s in skips
+        ]
     # Innermost first (fewest nodes between fork and merge); an annotation is never overwritten.
     for s in sorted(skips, key=lambda s: len(s.skip) + len(s.residual)):
         for role, branch in (("skip", s.skip), ("residual", s.residual)):
             members = set(branch)
             for node in branch:
-                G.nodes[node].setdefault("branch_role", role)
-                G.nodes[node].setdefault("branch_merge", s.merge)
+                _claim(G.nodes[node], "branch_role", role)
+                _claim(G.nodes[node], "branch_merge", s.merge)
             # Only edges into a branch node or the merge can lie on the branch (a fork's
             # out-edges can be many: one input read by every block).
             for u, v, data in G.in_edges([*branch, s.merge], data=True):
                 if (u == s.fork or u in members) and (role == "skip" or (u, v) != (s.fork, s.merge)):
-                    data.setdefault("branch_role", role)
-                    data.setdefault("branch_merge", s.merge)
-        G.nodes[s.fork].setdefault("branch_role", "fork")
+                    _claim(data, "branch_role", role)
+                    _claim(data, "branch_merge", s.merge)
+        _claim(G.nodes[s.fork], "branch_role", "fork")
         G.nodes[s.merge]["branch_role"] = "merge"
         G.nodes[s.merge]["branch_merge"] = s.merge
+
+
+def _claim(data: dict[str, Any], key: str, value: str) -> None:
+    """Set ``data[key]`` unless an inner skip connection already has."""
+    if data[key] is None:
+        data[key] = value
 
 
 def scope_subgraph(G: nx.MultiDiGraph, scope: str, *, inputs: bool = True) -> nx.MultiDiGraph:

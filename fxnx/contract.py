@@ -31,8 +31,10 @@ __all__ = [
 ]
 
 #: The version of this contract. A reader refuses a newer one: an attribute may have changed meaning.
-#: 2 added ``capture_options``; graphs of version 1 are still read (they lack it).
-FORMAT_VERSION = 2
+#: 2 added ``capture_options``; graphs of version 1 are still read (they lack it). 3 gives every
+#: node and edge ``branch_role``/``branch_merge`` after skip_connections (None off every branch)
+#: and writes ``opaque_modules`` and ``skip_connections`` only when not empty.
+FORMAT_VERSION = 3
 
 #: How deeply an attribute's value may nest (lists in dicts in tuples ...).
 MAX_DEPTH = 32
@@ -74,6 +76,14 @@ def _enum(*allowed: str) -> Callable[[Any], str | None]:
 
     check.allowed = allowed  # type: ignore[attr-defined]
     return check
+
+
+def _or_none(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    def or_none(value: Any) -> str | None:
+        return None if value is None else check(value)
+
+    or_none.allowed = (*check.allowed, None)  # type: ignore[attr-defined]
+    return or_none
 
 
 def _scalar(*types: type) -> Callable[[Any], str | None]:
@@ -237,7 +247,7 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
     "op": _enum("placeholder", "get_attr", "call_function", "call_method", "call_module", "output"),
     "phase": _enum("forward", "backward"),
     "level": _enum("module", "aten", "joint"),
-    "branch role": _enum("fork", "merge", "skip", "residual"),
+    "branch role or None": _or_none(_enum("fork", "merge", "skip", "residual")),
     "int >= 0 or str": _arg,
     "shape": _nested(_shape_leaf),
     "dtype": _nested(_str_or_none),
@@ -268,6 +278,8 @@ PRESENCE = {
     "fixed_kwargs": "when fxnx set keyword inputs",
     "costs": "when G.graph has flops",
     "skip_connections": "after skip_connections",
+    "skips_found": "when skip_connections found any",
+    "opaque": "when a submodule was kept whole",
     "route_credit": "after route_credit",
 }
 
@@ -302,7 +314,7 @@ GRAPH_ATTRIBUTES = (
               "counts them; None without shapes or if any node's is None"),
     Attribute("macs", "int >= 0 or None", "costs",
               "multiply-adds of all nodes; None where flops is, or a node's is"),
-    Attribute("opaque_modules", "list of str", "always",
+    Attribute("opaque_modules", "list of str", "opaque",
               "submodules kept whole because tracing failed in them (leaf_on_failure)"),
     Attribute("fixed_kwargs", "plain dict", "fixed_kwargs",
               "keyword inputs fxnx set because forward has them and the caller did not pass "
@@ -315,7 +327,7 @@ GRAPH_ATTRIBUTES = (
               "parameter or input name to the node computing its gradient (joint level)"),
     Attribute("specialised", "bool", "make_fx",
               "whether a tensor's value decided control flow: the graph holds for this input only"),
-    Attribute("skip_connections", "skip connections", "skip_connections",
+    Attribute("skip_connections", "skip connections", "skips_found",
               "one {merge, fork, skip, residual} per skip connection, node names"),
     Attribute("credit_rule", "str", "route_credit", "the rule route_credit used"),
 )
@@ -350,9 +362,10 @@ NODE_ATTRIBUTES = (
               "the call's arguments bound to the callee's parameter names, defaults filled in"),
     Attribute("phase", "phase", "always", "forward or backward (joint graphs)"),
     Attribute("opaque", "bool", "always", "a submodule kept whole because tracing failed in it"),
-    Attribute("branch_role", "branch role", "skip_connections",
+    Attribute("branch_role", "branch role or None", "skip_connections",
               "fork, merge, skip or residual: the node's part in the innermost skip connection"),
-    Attribute("branch_merge", "str", "skip_connections", "the merge node of that skip connection"),
+    Attribute("branch_merge", "str or None", "skip_connections",
+              "the merge node of that skip connection; None off every branch"),
     Attribute("credit_norm", "float or None", "route_credit",
               "Euclidean norm of the credit at the node; None where it has none"),
 )
@@ -363,9 +376,10 @@ EDGE_ATTRIBUTES = (
     Attribute("shape", "shape", "always", "shape of the value carried"),
     Attribute("dtype", "dtype", "always", "dtype of the value carried"),
     Attribute("nbytes", "int >= 0 or None", "always", "bytes of the value carried, if known"),
-    Attribute("branch_role", "branch role", "skip_connections",
+    Attribute("branch_role", "branch role or None", "skip_connections",
               "skip or residual: the edge's branch in the innermost skip connection"),
-    Attribute("branch_merge", "str", "skip_connections", "the merge node of that skip connection"),
+    Attribute("branch_merge", "str or None", "skip_connections",
+              "the merge node of that skip connection; None off every branch"),
 )
 
 
@@ -394,7 +408,7 @@ def validate(G: Any) -> None:
     >>> validate(G)
     Traceback (most recent call last):
     ...
-    fxnx.errors.GraphContractError: G.graph['format_version'] is 3, newer than the 2 this fxnx knows: upgrade fxnx (pip install -U fxnx)
+    fxnx.errors.GraphContractError: G.graph['format_version'] is 4, newer than the 3 this fxnx knows: upgrade fxnx (pip install -U fxnx)
     """
     if not isinstance(G, nx.MultiDiGraph):
         raise GraphContractError(f"G must be a networkx.MultiDiGraph, got {_got(G)}")

@@ -240,8 +240,9 @@ def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None)
         level=cap.level,
         capture_failures=dict(cap.failures),
         capture_options=cap.options.to_plain(),
-        opaque_modules=list(cap.opaque),
     )
+    if cap.opaque:  # an empty list breaks torch_geometric's from_networkx: written only when any
+        G.graph["opaque_modules"] = list(cap.opaque)
     if cap.fixed_kwargs:
         G.graph["fixed_kwargs"] = dict(cap.fixed_kwargs)
     if cap.aten is not None:

@@ -179,9 +179,9 @@ def _plain_roles(G, skips):
 
 def _roles(G):
     nodes = {n: (d["branch_role"], d.get("branch_merge")) for n, d in G.nodes(data=True)
-             if "branch_role" in d}
+             if d.get("branch_role") is not None}
     edges = {(u, v, k): (d["branch_role"], d["branch_merge"])
-             for u, v, k, d in G.edges(keys=True, data=True) if "branch_role" in d}
+             for u, v, k, d in G.edges(keys=True, data=True) if d.get("branch_role") is not None}
     return nodes, edges
 
 

@@ -166,7 +166,7 @@ def test_empty_and_non_multidigraph_graphs_are_refused():
     ("version", "message"),
     [("2", "must be an int .*got str '2'"), (2.0, "got float 2.0"), (99.5, "got float 99.5"),
      (True, "got bool True"), (-1, "got int -1"), (None, "got NoneType"),
-     (fxnx.FORMAT_VERSION + 1, r"newer than the 2 this fxnx knows: upgrade fxnx \(pip install -U fxnx\)")],
+     (fxnx.FORMAT_VERSION + 1, r"newer than the 3 this fxnx knows: upgrade fxnx \(pip install -U fxnx\)")],
 )
 def test_format_version_must_be_an_int_this_fxnx_knows(version, message):
     G = _broken(_set_graph("format_version", version))

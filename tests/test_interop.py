@@ -139,12 +139,6 @@ def _graph(name: str) -> nx.MultiDiGraph:
     return G
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fxnx graphs hold empty graph lists (opaque_modules=[]) and, after skip_connections, "
-    "nodes and edges without branch_role: the analysis.py and conversion.py changes proposed "
-    "for issue 24 item 6 make this pass; remove this mark with them",
-)
 @pytest.mark.parametrize("name", GRAPHS)
 def test_torch_geometric_from_networkx_accepts_fxnx_graphs(name):
     G = _graph(name)
