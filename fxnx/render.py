@@ -137,15 +137,16 @@ def _acyclic(G: nx.MultiDiGraph) -> None:
 
 def _view(G: nx.MultiDiGraph, depth: int | None, *, fold: bool = True) -> nx.MultiDiGraph:
     """What is drawn of ``G`` at ``depth``, its skip connections marked: the collapsed view,
-    or ``G`` itself (marked unless it already carries them). With ``fold``, the parameters
+    ``G`` itself where it carries the marks already, or else a marked copy. With ``fold``, the parameters
     that one node alone reads are listed on it (:func:`fxnx._fold.fold_parameters`);
     coloured by a value, each keeps a node in its own colour."""
     if depth is not None:
         view = collapse(G, depth)
-    else:
-        if "skip_connections" not in G.graph:
-            skip_connections(G)
+    elif all("branch_role" in data for _, data in G.nodes(data=True)):  # marked already
         view = G
+    else:  # marked on a copy: drawing never writes into the caller's graph
+        view = G.copy()
+        skip_connections(view)
     return _listed(view, fold)
 
 
