@@ -28,7 +28,6 @@ math kernel (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``).
 from __future__ import annotations
 
 import contextlib
-import random
 import re
 from collections.abc import Callable, Iterator
 from functools import cache
@@ -49,7 +48,7 @@ from ._compat import (
     decomposes,
     op_schema,
 )
-from ._state import preserved
+from ._state import preserved, random_state_kept
 from .capturing import TRACING_LOCK
 from .capturing.inputs import device_of
 from .capturing.shapes import _ShapeProp
@@ -327,7 +326,7 @@ def node_flops(
 
     counts: dict[str, tuple[int | None, int | None]] = {}
     # The lock: other threads' tracing must not patch the modules this calls.
-    with TRACING_LOCK, torch.no_grad(), _random_state_kept():
+    with TRACING_LOCK, torch.no_grad(), random_state_kept():
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "get_attr", "output") or (
                 isinstance(node.target, OpOverload) and not counter.may_count(node.target)
@@ -399,17 +398,6 @@ def _fast_path_off() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
-
-
-@contextlib.contextmanager
-def _random_state_kept() -> Iterator[None]:
-    """Factory calls inside a forward (``torch.rand(1)``) may draw numbers: give them back."""
-    state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            random.setstate(state)
 
 
 @contextlib.contextmanager

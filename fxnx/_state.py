@@ -10,7 +10,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["preserved"]
+__all__ = ["preserved", "random_state_kept"]
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Give back torch's CPU random state and Python's ``random`` state when the block ends
+    (a forward that draws numbers, ``torch.rand(1)`` or ``random.random()``, draws them)."""
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(state)
 
 
 @contextlib.contextmanager
@@ -29,12 +41,10 @@ def preserved(model: Any) -> Iterator[None]:
     """
     buffers = list(model.buffers()) if isinstance(model, nn.Module) else []
     saved = [b.detach().clone() for b in buffers]
-    state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
+    with random_state_kept():
         try:
             yield
         finally:
-            random.setstate(state)
             with torch.no_grad():
                 # Only buffers whose values changed, and past autograd's version counter (as
                 # BatchNorm's own update of its statistics is): a counted write would break a
