@@ -32,6 +32,7 @@ __all__ = [
     "VALUE_READS",
     "cpu_attention_formulas",
     "decomposes",
+    "drop_annotations",
     "extract_tensor_metadata",
     "global_module_hooks",
     "graph_module",
@@ -136,6 +137,12 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "FLOPs of attention in ATen graphs captured on the CPU, with torch's formulas for "
         "flash attention (FlopCounterMode has none for the CPU kernel)",
         "those nodes count no FLOPs, as FlopCounterMode counts none for them",
+    ),
+    (
+        "torch.fx.traceback.current_meta",
+        "make_fx captures start with no custom annotations: torch keeps them in this global, "
+        "which another thread's calls during torch.export can leave holding some",
+        "a make_fx capture after such a thread may take another model's module paths",
     ),
     (
         "torch.autograd.graph.Node._sequence_nr",
@@ -352,3 +359,14 @@ def cpu_attention_formulas(registry: dict[Any, Any]) -> dict[Any, Any]:
         if cpu_op is not None and cpu_op not in registry and other_op in registry:
             formulas[cpu_op] = registry[other_op]
     return formulas
+
+
+def drop_annotations() -> None:
+    """Empty torch.fx.traceback's custom annotations (what ``fx_traceback.annotate`` adds to
+    every node traced meanwhile); call it inside ``fx_traceback.preserve_node_meta()``, which
+    puts them back when it ends."""
+    from torch.fx import traceback as fx_traceback
+
+    meta = getattr(fx_traceback, "current_meta", None)
+    if isinstance(meta, dict):
+        meta.pop("custom", None)

@@ -9,7 +9,6 @@ The attributes it writes are the graph contract: see :mod:`fxnx.contract` and do
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -26,7 +25,6 @@ from ._costs import kernel, node_flops, propagate_and_count
 from ._version import FORMAT_VERSION, __version__
 from .capturing import TRACING_LOCK, Capture, capture
 from .capturing.options import LeafSpec
-from .capturing.shapes import shape_source
 
 __all__ = ["convert", "graph_from_capture"]
 
@@ -121,7 +119,7 @@ def convert(
                 kwargs,
                 leaf_modules=leaf_modules,
                 concrete_args=concrete_args,
-                propagate=False,  # propagated here, counting FLOPs on the way
+                propagate=propagate_and_count,  # each route's graph, counting FLOPs on the way
                 input_shape=input_shape,
                 dtype=dtype,
                 fake=fake,
@@ -129,13 +127,7 @@ def convert(
                 routes=routes,
                 leaf_on_failure=leaf_on_failure,
             )
-            flops = None
-            if cap.aten is None and cap.inputs is not None:  # make_fx recorded its shapes
-                flops = propagate_and_count(cap.gm, cap.model, cap.inputs, fake)
-                cap = dataclasses.replace(
-                    cap, propagated=True, shape_source=shape_source(cap.model, fake)
-                )
-        return _graph(cap, flops)
+        return _graph(cap, cap.propagation)
 
 
 @contextlib.contextmanager

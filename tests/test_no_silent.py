@@ -409,8 +409,11 @@ def test_pythons_random_state_is_left_as_it_was():
     random.seed(5)
     want = random.random()
     random.seed(5)
-    G = fxnx.convert(model, x)
-    fxnx.route_credit(G, model, x)
+    with pytest.warns(UserWarning, match="not one graph"):
+        G = fxnx.convert(model, x)
+    # A forward that draws from Python's random is not one graph: credit is refused.
+    with pytest.raises(fxnx.FxnxValueError, match="Python's random module"):
+        fxnx.route_credit(G, model, x)
     assert random.random() == want
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import random
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
     from .make_fx import AtenCapture
     from .options import CaptureOptions
 
-__all__ = ["FunctionModule", "Route", "RouteResult", "alone", "as_module", "quiet"]
+__all__ = ["FunctionModule", "Route", "RouteResult", "alone", "as_module", "drawn", "draws_varies", "quiet"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class RouteResult:
         Control flow read a tensor's value: the graph follows the example's branches.
     shape_specialised : bool
         Control flow read a shape: the graph holds for the example's shapes.
+    varies : str
+        Why the graph holds one of the model's forwards among several (it drew random
+        numbers in Python while it was captured), in words; empty otherwise.
     """
 
     gm: fx.GraphModule
@@ -52,6 +58,7 @@ class RouteResult:
     aten: AtenCapture | None = None
     specialised: bool = False
     shape_specialised: bool = True
+    varies: str = ""
 
 
 @dataclass(frozen=True)
@@ -144,3 +151,43 @@ def alone(model: Any) -> Iterator[None]:
                 "the graph could hold that thread's calls. Convert it while no other thread "
                 "runs the model"
             )
+
+
+@contextlib.contextmanager
+def drawn(*, torch_rng: bool) -> Iterator[list[str]]:
+    """Note the random number generators the block drew from: Python's ``random``, NumPy's
+    (when imported) and, with ``torch_rng``, torch's CPU generator.
+
+    Use it inside the block that restores the generators (``preserved``). A trace that draws
+    from them ran the model's random choices in Python: the graph holds one draw.
+    """
+    found: list[str] = []
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    before = numpy.random.get_state() if numpy is not None else None
+    cpu = torch.random.get_rng_state() if torch_rng else None
+    try:
+        yield found
+    finally:
+        if random.getstate() != python:
+            found.append("Python's random module")
+        if numpy is not None and not _same_numpy_state(before, numpy.random.get_state()):
+            found.append("NumPy's random generator")
+        if cpu is not None and not torch.equal(cpu, torch.random.get_rng_state()):
+            found.append("torch's random generator")
+
+
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and tuple(a[2:]) == tuple(b[2:])
+
+
+def draws_varies(found: list[str], route: str) -> str:
+    """The words for a capture that drew random numbers in Python (see :func:`drawn`)."""
+    if not found:
+        return ""
+    return (
+        f"its forward drew from {' and '.join(found)} while {route} captured it, outside any "
+        "operation a graph records (a random choice made in Python, such as skipping a layer "
+        "at random in training mode), so the graph holds that one draw and each call may run "
+        "another graph"
+    )

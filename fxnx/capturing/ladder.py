@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,15 @@ import torch.fx as fx
 from torch import nn
 
 from .._compat import pytree
-from ..errors import CaptureError, FxnxTypeError, FxnxValueError, first_line, warn_user
+from .._state import preserved
+from ..errors import (
+    CaptureError,
+    FxnxTypeError,
+    FxnxValueError,
+    ShapePropagationError,
+    first_line,
+    warn_user,
+)
 from .common import alone, as_module
 from .inputs import Inputs, bind_inputs, empty_inputs, placeholder_values, qualname
 from .make_fx import AtenCapture, capture_aten
@@ -74,6 +82,12 @@ class Capture:
         such as ``use_cache=False``.
     shape_specialised : bool
         Whether the graph holds for the example's input shapes only.
+    varies : str
+        Why the model's forward is not one graph, where fxnx saw that it is not (a random
+        choice made in Python while it was captured, a control flow that read a random
+        value), in words; empty otherwise.
+    propagation : Any
+        What a ``propagate=`` function returned for the winning graph (None otherwise).
     """
 
     gm: fx.GraphModule
@@ -87,6 +101,8 @@ class Capture:
     aten: AtenCapture | None = None
     fixed_kwargs: dict[str, Any] = field(default_factory=dict)
     shape_specialised: bool = True
+    varies: str = ""
+    propagation: Any = None
 
     @property
     def method(self) -> str:
@@ -108,7 +124,7 @@ def capture(
     *,
     leaf_modules: Iterable[LeafSpec] | LeafSpec = (),
     concrete_args: Mapping[str, Any] | None = None,
-    propagate: bool = True,
+    propagate: bool | Propagator = True,
     input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
     dtype: torch.dtype = torch.float32,
     fake: bool = False,
@@ -136,8 +152,13 @@ def capture(
     concrete_args : mapping, optional
         Inputs to fix to constant values while tracing, as in
         ``torch.fx.symbolic_trace``; use it for flags that select a branch.
-    propagate : bool
-        Run the example inputs through the graph to record shapes (default).
+    propagate : bool or callable
+        Run the example inputs through the graph to record shapes (default), as each route's
+        graph is made: a graph that fails where the model itself runs is that route's
+        failure (in ``failures``), and the next route is tried. A function
+        ``propagate(gm, model, values, fake)`` propagates instead of
+        :func:`~fxnx.capturing.shapes.propagate` (raising ``ShapePropagationError`` as it
+        does); what it returns is ``Capture.propagation``.
     input_shape : shape or list of shapes, optional
         Instead of example inputs: the shape of each positional input, made as
         empty tensors of ``dtype`` on the model's device.
@@ -203,7 +224,7 @@ def capture_with(
     kwargs: Mapping[str, Any] | None,
     options: CaptureOptions,
     *,
-    propagate: bool = True,
+    propagate: bool | Propagator = True,
     input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
     dtype: torch.dtype = torch.float32,
     fake: bool = False,
@@ -218,7 +239,7 @@ def _capture(
     args: Sequence[Any],
     kwargs: Mapping[str, Any] | None,
     options: CaptureOptions,
-    propagate: bool,
+    propagate: bool | Propagator,
     input_shape: Sequence[int] | Sequence[Sequence[int]] | None,
     dtype: torch.dtype,
     fake: bool,
@@ -244,23 +265,32 @@ def _capture(
     fixed = dict(inputs.fixed) if inputs is not None else {}
     if options.level != "module":
         return _capture_aten(model, inputs, options, fake)
+    varies, propagation = "", None
     if isinstance(model, fx.GraphModule):
         gm, failures = copy_graph_module(model), []
         options, level, aten, specialised = options.captured("graph_module", ()), "module", None, False
+        values = placeholder_values(inputs, gm, level)
+        if propagate and values is not None:
+            propagation = _propagator(propagate)(gm, model, values, fake)
     else:
-        name, result, failures = _ladder(model, inputs, options, fake)
-        gm, aten, specialised = result.gm, result.aten, result.shape_specialised
+        name, result, failures, propagation = _ladder(model, inputs, options, fake, propagate)
+        gm, aten, specialised, varies = result.gm, result.aten, result.shape_specialised, result.varies
         options, level = options.captured(name, result.opaque), ROUTES[name].level
         if level == "aten":
             specialised = True  # torch.export and make_fx specialise to the example's shapes
-    values = placeholder_values(inputs, gm, level)
-    run = aten is not None or (propagate and values is not None)  # make_fx recorded every shape
-    if run and aten is None:
-        propagate_shapes(gm, model, values, fake)
+        values = placeholder_values(inputs, gm, level)
+    run = aten is not None or (bool(propagate) and values is not None)  # make_fx recorded every shape
+    if varies:
+        warn_user(
+            f"{qualname(model)}'s forward is not one graph: {varies}. Convert it in eval mode "
+            "(model.eval()) for the graph every call runs; route_credit and CreditRouter refuse "
+            "it as it is"
+        )
     return Capture(
         gm=gm, model=model, options=options, propagated=run, inputs=values,
         shape_source=(_source(model, fake, options.route) if run else None), level=level,
         failures=tuple(failures), aten=aten, fixed_kwargs=fixed, shape_specialised=specialised,
+        varies=varies, propagation=propagation,
     )
 
 
@@ -287,26 +317,63 @@ def _ladder(
     inputs: Inputs | None,
     options: CaptureOptions,
     fake: bool,
-) -> tuple[str, Any, list[tuple[str, str]]]:
+    propagate: bool | Propagator,
+) -> tuple[str, Any, list[tuple[str, str]], Any]:
     """Try each route in turn; the first graph wins. Raise with every route's reason if none works.
 
-    Returns the winning route's name, its result, and the earlier routes' failures.
+    With ``propagate``, a route's graph must also run the example inputs (shape propagation,
+    :func:`~fxnx.capturing.shapes.propagate`): a graph that fails where the model itself runs
+    is that route's failure, and the next route is tried. Returns the winning route's name,
+    its result, the earlier routes' failures and what propagation returned.
     """
     failures: list[tuple[str, str]] = []
-    errors: list[CaptureError] = []
+    errors: list[Exception] = []
+    failed: list[ShapePropagationError] = []  # graphs that failed shape propagation
     for name in options.routes:
         route = ROUTES[name]
         try:
             if route.needs_inputs and inputs is None:
                 raise CaptureError(f"{name} needs example inputs (or input_shape=) to run the model")
-            with alone(model) if route.level == "aten" else contextlib.nullcontext():
+            with alone(model) if route.level == "aten" else contextlib.nullcontext(), \
+                    _changes(model) as changed:
                 result = route.run(model, inputs, options, fake)
+            propagation = None
+            if propagate and result.aten is None:
+                values = placeholder_values(inputs, result.gm, route.level)
+                if values is not None:
+                    propagation = _propagator(propagate)(result.gm, model, values, fake)
         except CaptureError as err:
             failures.append((name, first_line(err)))
             errors.append(err)
             continue
+        except ShapePropagationError as err:
+            if getattr(err, "runtime_check", False):  # no other route mends this
+                raise CaptureError(_not_one_graph(model, name, err)) from err
+            if not failed and not _model_runs(model, inputs, fake):
+                raise  # the model fails on these inputs too: the inputs are at fault
+            failures.append((name, f"its graph failed shape propagation: {first_line(err)}"))
+            errors.append(err)
+            failed.append(err)
+            continue
         _warn_specialised(name, result.specialised)
-        return name, result, failures
+        if changed:
+            warn_user(
+                f"{qualname(model)} changed itself while {name} captured it ({changed[0]}): "
+                "the graph is that of this call. If its first call differs from later ones (a "
+                "model that rewrites its modules when first run), call it once before "
+                "converting it (a warm-up call) and convert it again"
+            )
+        if name == "make_fx" and failures:
+            warn_user(
+                f"captured with make_fx, as {', '.join(n for n, _ in failures)} failed (see "
+                "G.graph['capture_failures']): its graph is for analysis, and route_credit and "
+                "CreditRouter refuse it. To route credit, convert the part of the model that "
+                "torch.export captures (for a detector, its backbone and heads without the "
+                "data-dependent postprocessing such as NMS), or make export work"
+            )
+        return name, result, failures, propagation
+    if failed and len(failed) == len(errors):
+        raise failed[0]  # every route's graph failed where it ran: name the first node
     if len(errors) == 1:
         raise errors[0]
     lines = [f"no capture route worked for {qualname(model)}:"]
@@ -318,6 +385,80 @@ def _ladder(
         "submodule whole, or concrete_args={...} to fix the values that decide a branch."
     )
     raise CaptureError("\n".join(lines)) from errors[-1]
+
+
+#: A shape propagation: ``propagate(gm, model, values, fake)``, raising ShapePropagationError.
+Propagator = Callable[[fx.GraphModule, Any, list[Any], bool], Any]
+
+
+def _propagator(propagate: bool | Propagator) -> Propagator:
+    return propagate if callable(propagate) else propagate_shapes
+
+
+def _not_one_graph(model: Any, route: str, err: Exception) -> str:
+    """The words for a graph whose runtime check failed on the very inputs it was captured from."""
+    return (
+        f"{qualname(model)}'s forward is not one graph: the graph {route} captured checks that a "
+        "value its control flow read is what it was while capturing, and on the very inputs it "
+        "was captured from it is not. Its control flow depends on random draws (such as "
+        "skipping layers at random in training mode, as wav2vec2 and HuBERT do) or on state "
+        "that changes between calls. Call model.eval() (layer drop and stochastic depth are "
+        "off in eval mode), or call the model once before converting it if it changes itself "
+        f"when first run\n{err}"
+    )
+
+
+def _model_runs(model: Any, inputs: Inputs | None, fake: bool) -> bool:
+    """Whether the model itself runs on the example inputs (nothing it changes is kept)."""
+    if inputs is None or fake:
+        return True  # cannot tell without running real values: try the next route
+    try:
+        with torch.no_grad(), preserved(model):
+            model(*inputs.args, **inputs.kwargs)
+    except Exception:
+        return False
+    return True
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@contextlib.contextmanager
+def _changes(model: Any) -> Iterator[list[str]]:
+    """What the block changed on the model, in words (one entry, or none if nothing fxnx
+    watches changed): its submodules, parameters and buffers (by identity) and each module's
+    public plain attributes (numbers, strings, booleans, None), such as ``self.first = False``
+    or the module BigBird puts in place of its attention on its first call. Private ones
+    (Hugging Face's ``_output_capturing_hooks_installed``) are an implementation's own state."""
+    found: list[str] = []
+    ids, plain = _model_state(model)
+    yield found
+    ids_, plain_ = _model_state(model)
+    replaced = [k for k in {**ids, **ids_} if ids.get(k) != ids_.get(k)]
+    if replaced:
+        found.append(f"{replaced[0]} was {'replaced' if replaced[0] in ids and replaced[0] in ids_ else 'added or removed'}")
+        return
+    for key in {**plain, **plain_}:
+        a, b = plain.get(key, _PLAIN), plain_.get(key, _PLAIN)
+        if not (a is b or a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)):
+            found.append(f"{key} went from {plain.get(key, '(none)')!r} to {plain_.get(key, '(none)')!r}")
+            return
+
+
+def _model_state(model: Any) -> tuple[dict[str, int], dict[str, Any]]:
+    if not isinstance(model, nn.Module):
+        return {}, {}
+    ids = {
+        **{f"module {p!r}": id(m) for p, m in model.named_modules(remove_duplicate=False)},
+        **{f"parameter {n!r}": id(t) for n, t in model.named_parameters(remove_duplicate=False)},
+        **{f"buffer {n!r}": id(t) for n, t in model.named_buffers(remove_duplicate=False)},
+    }
+    plain = {
+        f"{path or type(m).__qualname__}.{k}": v
+        for path, m in model.named_modules() for k, v in vars(m).items()
+        if type(v) in _PLAIN and not k.startswith("_")  # private: caches, hook flags
+    }
+    return ids, plain
 
 
 def _warn_specialised(route: str, specialised: bool) -> None:

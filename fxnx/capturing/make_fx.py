@@ -32,15 +32,23 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.func import functional_call
 
-from .._compat import VALUE_READS, FakeTensorMode, make_fx_following_values, pytree, sequence_nr
+from .._compat import (
+    VALUE_READS,
+    FakeTensorMode,
+    OpOverload,
+    drop_annotations,
+    make_fx_following_values,
+    pytree,
+    sequence_nr,
+)
 from .._state import preserved
 from ..errors import CaptureError, FxnxValueError, first_line
-from .common import FunctionModule, Route, RouteResult, as_module, quiet
+from .common import FunctionModule, Route, RouteResult, as_module, drawn, draws_varies, quiet
 from .inputs import Inputs
 from .options import CaptureOptions
 from .shapes import metadata_from_values
 
-__all__ = ["AtenCapture", "ROUTE", "capture_aten", "reads_tensor_values"]
+__all__ = ["AtenCapture", "ROUTE", "capture_aten", "reads_random_values", "reads_tensor_values"]
 
 _MODULES = "fxnx_module_stack"
 _PHASE = "fxnx_phase"
@@ -60,6 +68,8 @@ class AtenCapture:
     gradients: dict[str, str | None]
     #: Whether a tensor's value decided control flow: the graph holds for this input only.
     specialised: bool
+    #: Why the graph holds one random draw of the model's, in words (empty if it does not).
+    varies: str = ""
 
 
 def capture_aten(
@@ -132,10 +142,12 @@ def capture_aten(
         return outs, [g for g in grads if g is not None]
 
     try:
-        with preserved(model), _module_stacks(model), fx_traceback.preserve_node_meta():
-            gm = make_fx_following_values(traced, "fake" if fake else "real")(
-                primal_values, tangent_values
-            )
+        with preserved(model), fx_traceback.preserve_node_meta(), drawn(torch_rng=False) as draws:
+            drop_annotations()  # what another thread left in torch's global meta stays out
+            with _module_stacks(model):
+                gm = make_fx_following_values(traced, "fake" if fake else "real")(
+                    primal_values, tangent_values
+                )
     except Exception as err:
         raise CaptureError(f"make_fx could not trace {type(model).__qualname__}: "
                            f"{type(err).__name__}: {first_line(err)}") from err
@@ -149,7 +161,39 @@ def capture_aten(
         for k, exists in zip(wrt, present, strict=True):
             name = primals[f"primals_{k + 1}"]["name"]
             gradients[name] = next(grad_nodes).name if exists else None
-    return AtenCapture(gm, primals, tangents, gradients, reads_tensor_values(gm))
+    varies = draws_varies(draws, "make_fx") or reads_random_values(gm)
+    return AtenCapture(gm, primals, tangents, gradients, reads_tensor_values(gm), varies)
+
+
+def reads_random_values(gm: fx.GraphModule) -> str:
+    """Why the graph holds one random draw, if its control flow read a random value (``if
+    torch.rand(()) < p``: layer drop in training mode), in words; empty if it did not.
+
+    A value read into Python (``.item()``, a data-dependent branch or its runtime check)
+    whose inputs come from a random operation (an ATen operator tagged
+    ``nondeterministic_seeded``) chose the branch the graph holds by a random draw.
+    """
+    random_ops = {n for n in gm.graph.nodes if _seeded(n.target)}
+    if not random_ops:
+        return ""
+    drawn_from: dict[fx.Node, fx.Node | None] = {}
+    for n in gm.graph.nodes:  # fx order: inputs before their readers
+        drawn_from[n] = n if n in random_ops else next(
+            (drawn_from[a] for a in n.all_input_nodes if drawn_from.get(a) is not None), None
+        )
+        if n.target in VALUE_READS and drawn_from[n] is not None:
+            return (
+                f"its control flow read a value drawn at random (node {n.name!r} reads a value "
+                f"of {drawn_from[n].name!r}), such as skipping a layer at random in training "
+                "mode, so the graph holds the branch of that one draw and each call may run "
+                "another graph"
+            )
+    return ""
+
+
+def _seeded(target: Any) -> bool:
+    tags = getattr(target, "tags", ()) if isinstance(target, OpOverload) else ()
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def reads_tensor_values(gm: fx.GraphModule) -> bool:
@@ -351,7 +395,7 @@ def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool)
         result = capture_aten(
             as_module(model), inputs.args, inputs.kwargs, joint=False, fake=fake
         )
-    return RouteResult(result.gm, aten=result, specialised=result.specialised)
+    return RouteResult(result.gm, aten=result, specialised=result.specialised, varies=result.varies)
 
 
 ROUTE = Route(name="make_fx", level="aten", needs_inputs=True, run=_run)

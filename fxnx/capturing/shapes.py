@@ -14,18 +14,28 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from .._compat import FakeTensorMode, extract_tensor_metadata, is_fake, pytree
+from .._compat import (
+    FakeTensorMode,
+    OpOverload,
+    extract_tensor_metadata,
+    is_fake,
+    op_schema,
+    pytree,
+)
 from .._state import preserved
 from ..errors import ShapePropagationError
 from .inputs import device_of
 
 __all__ = [
     "metadata_from_values",
+    "mutable",
     "node_failure",
     "propagate",
+    "runtime_check",
     "shape_source",
 ]
 
@@ -44,7 +54,7 @@ class _ShapeProp(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         # torch.fx's run_node without its per-node context for tracebacks and metadata
         # (nothing here traces or records node metadata): a fifth of the interpreter's time.
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = mutable(self.fetch_args_kwargs_from_env(n))
         try:
             result = getattr(self, n.op)(n.target, args, kwargs)
         except Exception as err:
@@ -59,25 +69,73 @@ class _ShapeProp(fx.Interpreter):
         return (self.fetch_attr(target) if module is None else module)(*args, **kwargs)
 
 
+def mutable(value: Any) -> Any:
+    """``value`` with torch.fx's read-only lists and dicts (a node's arguments, as an
+    Interpreter passes them) copied into plain ones, as the graph's own code passes them: a
+    list literal there is a new list each call, which a function may change (torchvision's
+    ``_get_window_and_shift_size`` does)."""
+    if isinstance(value, (list, tuple)):
+        items = [mutable(v) for v in value]
+        if isinstance(value, immutable_list):
+            return items
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return type(value)(items) if type(value) in (list, tuple) else value
+    if isinstance(value, dict):
+        items_ = {k: mutable(v) for k, v in value.items()}
+        if isinstance(value, immutable_dict):
+            return items_
+        return items_ if any(items_[k] is not value[k] for k in value) and type(value) is dict else value
+    return value
+
+
 def node_failure(
     doing: str, n: fx.Node, args: Any, kwargs: Any, err: Exception
 ) -> ShapePropagationError:
     """The error for a node that failed on the values it was given: it names the node, its
     target and the shapes it received."""
     got = pytree.tree_map(_describe_value, (args, kwargs))
-    return ShapePropagationError(
+    check = runtime_check(n)
+    advice = (
+        "The graph checks here that a value the model's control flow read is what it was "
+        "when the graph was captured, and it is not: the graph holds for inputs that take the "
+        "same branches. If the model draws random numbers for its control flow (such as "
+        "skipping layers at random in training mode, as wav2vec2 and HuBERT do), no single "
+        "graph is its forward: call model.eval() and convert it again."
+        if check else
+        "What to do: check the example inputs' shapes and dtypes against what the model expects."
+    )
+    error = ShapePropagationError(
         f"{doing} failed at fx node {n.name!r} ({n.op} {_target_str(n)}): "
         f"{type(err).__name__}: {err}\n"
         f"  node: {n.format_node()}\n"
         f"  input shapes: args={got[0]} kwargs={got[1]}\n"
-        "What to do: check the example inputs' shapes and dtypes against what the "
-        "model expects."
+        f"{advice}"
     )
+    error.runtime_check = check  # type: ignore[attr-defined]
+    return error
+
+
+#: ATen operators with which torch.export checks, at run time, what it assumed about a value
+#: read while tracing (a data-dependent branch).
+_RUNTIME_CHECKS = frozenset({
+    "aten::_assert_scalar", "aten::_assert_async", "aten::sym_constrain_range",
+    "aten::sym_constrain_range_for_size",
+})
+
+
+def runtime_check(n: fx.Node) -> bool:
+    """Whether ``n`` is a check torch.export put in the graph on a value read while tracing."""
+    target = n.target
+    return isinstance(target, OpOverload) and getattr(op_schema(target), "name", "") in _RUNTIME_CHECKS
 
 
 def _target_str(node: fx.Node) -> str:
     if node.op == "call_module":
-        mod = node.graph.owning_module.get_submodule(node.target)  # type: ignore[union-attr]
+        try:
+            mod = node.graph.owning_module.get_submodule(node.target)  # type: ignore[union-attr]
+        except AttributeError:  # the graph calls a submodule its module lacks
+            return f"{node.target} (missing)"
         return f"{node.target} ({type(mod).__qualname__})"
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "?")
 

@@ -25,7 +25,7 @@ from torch import nn
 from .._compat import graph_module
 from .._state import preserved
 from ..errors import CaptureError, FxnxValueError
-from .common import Route, RouteResult
+from .common import Route, RouteResult, drawn, draws_varies
 from .inputs import Inputs
 from .options import CLASS_PREFIX, TORCH_NN, CaptureOptions
 from .tracer import NeedValue, Tracer, evaluate, is_torch_nn, torch_nn_traceable
@@ -63,7 +63,7 @@ def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool)
     values = None
     if inputs is not None and not fake:
         values = {**inputs.arguments, **concrete}
-    gm, opaque, evaluated = _trace(model, options, concrete, values)
+    gm, opaque, evaluated, varies = _trace(model, options, concrete, values)
     read = [n.target for n in gm.graph.nodes if n.op == "placeholder"
             and str(n.target).startswith("**") and n.users]
     if read:
@@ -73,7 +73,7 @@ def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool)
         )
     if fixed:
         _drop_placeholders(gm)
-    return RouteResult(gm, opaque=tuple(opaque), shape_specialised=evaluated)
+    return RouteResult(gm, opaque=tuple(opaque), shape_specialised=evaluated, varies=varies)
 
 
 def _trace(
@@ -81,35 +81,48 @@ def _trace(
     options: CaptureOptions,
     concrete_args: dict[str, Any],
     values: Mapping[str, Any] | None,
-) -> tuple[fx.GraphModule, list[str], bool]:
-    """Trace, retrying with each failing submodule kept whole where that is allowed."""
+) -> tuple[fx.GraphModule, list[str], bool, str]:
+    """Trace (:func:`_traced`); also return whether a check was answered from the example,
+    and why the graph holds one random draw (:func:`~fxnx.capturing.common.draws_varies`),
+    if it does."""
     leaves = _checked_leaves(model, options.leaf_modules)
     opaque: list[str] = []
-    answers: list[Any] = []
     # torch.fx runs code on buffers as it traces (timm's BatchNormAct2d counts batches with
     # num_batches_tracked.add_(1)): the model's buffers are restored afterwards.
     with preserved(model), _no_new_attributes(model), torch_nn_traceable():
-        while True:
-            tracer = Tracer(leaves + tuple(opaque), answers if values is not None else None)
-            try:
-                graph = tracer.trace(model, concrete_args or None)
-                break
-            except NeedValue as need:  # a check in a torch.nn composite: answer, trace again
-                if len(answers) >= _MAX_ANSWERS:
-                    raise CaptureError(
-                        f"torch.fx could not trace {type(model).__qualname__}: more than "
-                        f"{_MAX_ANSWERS} checks on input values"
-                    ) from None
-                assert values is not None
-                answers.append(need.convert(evaluate(tracer, need.node, values)))
-            except Exception as err:
-                failing = _failing_submodule(tracer, options.leaf_on_failure)
-                if not failing or failing in opaque:
-                    raise CaptureError(_explain_trace_failure(model, tracer, err)) from err
-                opaque.append(failing)
-                answers = []  # the checks met before may differ with the submodule whole
+        # A proxy draws nothing: a random number drawn while tracing was drawn by the model's
+        # Python code, and the graph holds it as a constant or as the branch it chose.
+        with drawn(torch_rng=True) as draws:
+            tracer, graph, answered = _traced(model, options, leaves, opaque, concrete_args, values)
         name = type(model).__name__ if isinstance(model, nn.Module) else model.__name__
-        return graph_module(tracer.root, graph, name), opaque, bool(answers)
+        return graph_module(tracer.root, graph, name), opaque, answered, draws_varies(draws, "torch.fx")
+
+
+def _traced(
+    model: Any, options: CaptureOptions, leaves: tuple[str, ...], opaque: list[str],
+    concrete_args: dict[str, Any], values: Mapping[str, Any] | None,
+) -> tuple[Tracer, fx.Graph, bool]:
+    """The trace, with each failing submodule kept whole where that is allowed (added to
+    ``opaque``), and whether a check was answered from the example."""
+    answers: list[Any] = []
+    while True:
+        tracer = Tracer(leaves + tuple(opaque), answers if values is not None else None)
+        try:
+            return tracer, tracer.trace(model, concrete_args or None), bool(answers)
+        except NeedValue as need:  # a check in a torch.nn composite: answer, trace again
+            if len(answers) >= _MAX_ANSWERS:
+                raise CaptureError(
+                    f"torch.fx could not trace {type(model).__qualname__}: more than "
+                    f"{_MAX_ANSWERS} checks on input values"
+                ) from None
+            assert values is not None
+            answers.append(need.convert(evaluate(tracer, need.node, values)))
+        except Exception as err:
+            failing = _failing_submodule(tracer, options.leaf_on_failure)
+            if not failing or failing in opaque:
+                raise CaptureError(_explain_trace_failure(model, tracer, err)) from err
+            opaque.append(failing)
+            answers = []  # the checks met before may differ with the submodule whole
 
 
 def _failing_submodule(tracer: Tracer, leaf_on_failure: bool) -> str:

@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch import nn
 
 from .._compat import mask_helpers
+from .._state import preserved
 from .options import CLASS_PREFIX, TORCH_NN, qualified_class_name
 
 __all__ = ["KEPT_WHOLE", "NeedValue", "Tracer", "evaluate", "is_torch_nn", "torch_nn_traceable"]
@@ -265,7 +266,9 @@ def evaluate(tracer: fx.Tracer, node: fx.Node, values: Mapping[str, Any]) -> Any
             if name not in values:  # torch.fx renames a placeholder that clashes: x_1
                 name = name.rpartition("_")[0]
             args.append(values[name])
-    with torch.no_grad():
+    # Nothing it draws or updates counts (dropout in training mode draws from torch's
+    # generator, which a trace must leave as it found it: see common.drawn).
+    with torch.no_grad(), preserved(tracer.root):
         return fx.Interpreter(fx.GraphModule(tracer.root, graph)).run(*args)
 
 

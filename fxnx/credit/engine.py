@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -16,13 +17,15 @@ from .._compat import pytree
 from .._state import preserved
 from ..capturing import TRACING_LOCK
 from ..capturing.fingerprint import fingerprint
+from ..capturing.inputs import bind_inputs, qualname
 from ..capturing.ladder import Capture
 from ..capturing.options import LeafSpec
-from ..capturing.reuse import inputs_key, placeholders_for, recapture, traced_through
+from ..capturing.reuse import inputs_key, kept_on, placeholders_for, recapture, traced_through
 from ..contract import validate
-from ..errors import FxnxTypeError, FxnxValueError
+from ..errors import FxnxError, FxnxTypeError, FxnxValueError
 from . import feedback as fb
 from .compare import cosine_angle, flat
+from .faithful import Probe, differs, probe
 from .graft import Graft, graft
 from .plan import Plan, compile_plan
 from .presets import PRESETS, Preset, check_kinds, lookup
@@ -35,6 +38,8 @@ __all__ = ["CreditRouter"]
 
 _EXACT = Exact()
 _RESULT = "\0result"  # the model's output among the values whose credit backward() reports
+#: Where on G the captures checked against the model are noted (capture id -> weak reference).
+_CHECKED = "_fxnx_checked"
 
 
 class CreditRouter(nn.Module):
@@ -96,7 +101,9 @@ class CreditRouter(nn.Module):
     FxnxValueError, FxnxTypeError
         ``G`` is not a graph of a module-level capture; an unknown preset; a
         preset key that is not a node kind; a rule that is not a rule; a rule
-        for a node ``G`` lacks.
+        for a node ``G`` lacks. At the first call: the model's forward is not one
+        graph, or a write in place that later nodes read would be lost (see
+        :func:`fxnx.route_credit`).
 
     Examples
     --------
@@ -361,6 +368,14 @@ class CreditRouter(nn.Module):
             if guard == self._guard(cap, inputs, kwargs):
                 return run, placeholders_for(cap, self.model, inputs, kwargs, copy=collect)
         cap = recapture(self.G, self.model, inputs, kwargs, **self._capture)
+        if cap.varies:
+            raise FxnxValueError(
+                f"credit cannot be routed over {qualname(self.model)}: {cap.varies}. Credit "
+                "over one such graph would be credit for another forward than the one that "
+                "runs. Call model.eval() (layer drop and stochastic depth are off in eval "
+                "mode), or make the choice with tensor operations (as torchvision's "
+                "StochasticDepth does), and convert it again"
+            )
         key = (id(cap.gm), collect)
         run = self._grafts.get(key)
         if run is None:
@@ -370,9 +385,9 @@ class CreditRouter(nn.Module):
                 self._plans = {id(cap.gm): plan}  # the capture changed: the old plan is stale
                 self._grafts = {}
                 self._warn_if_unused(plan)
-            run = graft(plan, seed=self.seed, collect=collect)
-            if collect:
-                run = _probed(run, self.model, cap.inputs or [], self.seed)
+            seen = self._probe(plan, cap, inputs, kwargs)
+            run = graft(plan, seed=self.seed, collect=collect, probe=seen)
+            run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
         self._plan = run.plan
         if isinstance(self.model, nn.Module):
@@ -380,6 +395,45 @@ class CreditRouter(nn.Module):
             self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
             self._fast[collect] = (self._guard(cap_, inputs, kwargs), run, cap_)
         return run, cap.inputs or []
+
+    def _probe(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Probe:
+        """One run of the captured graph without gradients (:func:`.faithful.probe`: what it
+        writes where, and its output), checked against ``model(...)`` once per capture.
+
+        Nothing changes: buffers and the random state are restored after each run, and both
+        run on copies of the inputs, so the run that follows draws the same random numbers.
+        """
+        model = self.model
+        values = placeholders_for(cap, model, inputs, kwargs, copy=True)
+        with torch.no_grad(), preserved(model), TRACING_LOCK:
+            seen = probe(plan.gm, values or [])
+        checked = kept_on(self.G, _CHECKED)
+        if checked.get(id(cap.gm)) is not None and checked[id(cap.gm)]() is cap.gm:
+            return seen
+        concrete = dict(self._capture["concrete_args"] or {})
+        bound = bind_inputs(model, inputs, kwargs, concrete)
+        if bound is None:
+            return seen
+        try:
+            with torch.no_grad(), preserved(model), TRACING_LOCK:
+                eager = model(*bound.args, **bound.kwargs, **concrete)
+        except Exception:  # the graph runs where the model does not: nothing to compare
+            return seen
+        problem = differs(seen.output, eager)
+        if problem is not None:
+            raise FxnxValueError(
+                f"the graph captured from {qualname(model)} does not compute what the model "
+                f"computes on these inputs ({problem}), so credit over it would be credit for "
+                "another forward. The model's forward is not one graph: it changes from call "
+                "to call (a random choice in Python, such as skipping layers at random in "
+                "training mode), or the model changes itself as it runs. Call model.eval() "
+                "(layer drop and stochastic depth are off in eval mode), or call the model "
+                "once before converting it (a warm-up call), and convert it again"
+            )
+        for key in [k for k, ref in checked.items() if ref() is None]:
+            del checked[key]  # captures since dropped
+        checked[id(cap.gm)] = weakref.ref(cap.gm)
+        return seen
 
     def _guard(self, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Any:
         watched = self._watched.get(id(cap.gm))
@@ -503,23 +557,13 @@ def _detached(value: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
-def _probed(run: Graft, model: Any, values: list[Any], seed: int) -> Graft:
-    """``run`` again with an alias after each node found handing back a value an earlier node
-    holds (``nn.Identity``, dropout in eval mode, ``getitem`` of a tuple) and a copy for the
-    readers of a value written in place where the graph cannot see it: one run without
-    gradients finds them, and changes nothing (buffers and the random state are restored)."""
-    with torch.no_grad(), preserved(model), TRACING_LOCK:
-        shared, written = run.probe(values)
-    if not shared and not written:
-        return run
-    return graft(run.plan, seed=seed, collect=True, aliased=frozenset(shared), written=frozenset(written))
-
-
 def run_checked(run: Graft, model: Any, values: list[Any]) -> tuple[Any, Any, Any]:
     """``run(values)``; where it fails, the node that fails is found (by a run without
     gradients, which changes nothing) and named in the error."""
     try:
         return run(values)
+    except FxnxError:
+        raise
     except Exception as err:
         with torch.no_grad(), preserved(model):
             run.probe(values)  # raises the error naming the node, where a node fails

@@ -27,9 +27,11 @@ left to say is, per node, how its credit goes back to its inputs:
 
 With ``collect=True`` the module also returns every node's value, for
 :func:`~fxnx.route_credit` to ask autograd for the credit at each; nodes that
-write in place run out of place and nodes that hand an input back unchanged
-(``nn.Identity``, dropout in eval mode) get a value of their own, so each
-node's credit is its own.
+hand an input back unchanged (``nn.Identity``, dropout in eval mode) get a value
+of their own, so each node's credit is its own. Writes in place follow the model
+(:mod:`.faithful` finds them, however they are spelled): a write that a later node
+sees runs in place, and each value it overwrites is reported through a copy taken
+before the write; a write nothing sees afterwards runs out of place.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._callinfo import fetch_attr
-from .._compat import pytree, version
+from .._compat import pytree
 from ..capturing.shapes import node_failure
 from ..errors import FxnxTypeError, FxnxValueError
+from .faithful import Probe, differs
 from .feedback import check_bytes, readable
 from .plan import Entry, Plan
-from .record import Credit, NodeCall, call_target, fresh_leaf, run_node, written_input
+from .record import Credit, NodeCall, call_target, fresh_leaf, run_node, runs_out_of_place
 from .rules import DirectFeedbackAlignment, Exact, RoutingState, Transport
 from .transport import feedback_weights
 
@@ -82,6 +85,9 @@ class Graft:
     names: list[str]  # collect: the node whose value is at each place of the second result
     starred: list[str]  # each placeholder's kind: "" plain, "*" rest of the inputs, "**" keywords
     origin: dict[str, fx.Node]  # a node of gm to the captured node it computes
+    #: The probe run of the captured graph that made this graft: the first run, on the same
+    #: inputs, must give its output (checked once, then dropped).
+    expect: Probe | None = dataclasses.field(default=None, repr=False)
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[Any, Any, Any]:
         """Run the graph: (the model's result, the graph's output, node values or None)."""
@@ -91,7 +97,22 @@ class Graft:
                 for counter in self.plan.counters:
                     counter.add_(1)
         output, nodes = out if self.collect else (out, None)
-        return self.plan.gm.graph.process_outputs(output), output, nodes
+        result = self.plan.gm.graph.process_outputs(output)
+        if self.expect is not None:
+            self._check(result)
+        return result, output, nodes
+
+    def _check(self, result: Any) -> None:
+        """The first run's output against the captured graph's (:mod:`.faithful`)."""
+        expect, self.expect = self.expect, None
+        problem = differs(result, expect.output)
+        if problem is not None:
+            raise FxnxValueError(
+                f"the credit run's forward pass does not compute what the captured graph "
+                f"computes: {problem}. fxnx returns no credit for another forward; route this "
+                "model with rule='exact' and no edges removed to find whether a rule or an edit "
+                "of G causes it, and report the model if neither does"
+            )
 
     def placeholders(self, inputs: Sequence[Any]) -> list[Any]:
         """One value per placeholder of ``gm``, from the capture's placeholder values."""
@@ -105,39 +126,23 @@ class Graft:
                 values.append(next(feed, node.args[0] if node.args else None))
         return values
 
-    def probe(self, inputs: Sequence[Any]) -> tuple[set[str], set[str]]:
-        """Run ``gm`` node by node (under ``torch.no_grad()``, by the caller) and return the
-        nodes whose value another node also holds, and the nodes whose value a later node
-        writes into in place. A node that fails raises an error naming it."""
-        versions: dict[str, list[tuple[Tensor, int]]] = {}
+    def probe(self, inputs: Sequence[Any]) -> None:
+        """Run ``gm`` node by node (under ``torch.no_grad()``, by the caller): a node that
+        fails raises an error naming the captured node it computes."""
         graft = self
 
         class Probe(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
                 try:
-                    value = super().run_node(n)
+                    return super().run_node(n)
                 except Exception as err:
                     captured = graft.origin.get(n.name)
                     if captured is None:
                         raise
                     args, kwargs = self.fetch_args_kwargs_from_env(n)
                     raise node_failure("the credit run's forward pass", captured, args, kwargs, err) from err
-                if n.name in graft.origin and n.op != "output":
-                    tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor)]
-                    versions[graft.origin[n.name].name] = [(t, version(t)) for t in tensors]
-                return value
 
         Probe(self.gm).run(*self.placeholders(inputs))
-        seen: set[int] = set()
-        shared, written = set(), set()
-        for name in self.names:
-            kept = versions.get(name, [])
-            if any(id(t) in seen for t, _ in kept):
-                shared.add(name)
-            seen.update(id(t) for t, _ in kept)
-            if any(version(t) != v for t, v in kept):
-                written.add(name)
-        return shared, written
 
 
 def tier(entry: Entry) -> str:
@@ -161,16 +166,22 @@ def _native(call: NodeCall) -> bool:
         return False
 
 
-def graft(
-    plan: Plan, *, seed: int, collect: bool = False, aliased: frozenset[str] = frozenset(),
-    written: frozenset[str] = frozenset(),
-) -> Graft:
+def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None = None) -> Graft:
     """The router's forward over ``plan`` (see the module's docstring).
 
-    With ``collect``, ``aliased`` names nodes whose value gets an alias of its own (nodes
-    found handing back a value another node also holds), ``written`` nodes whose readers get
-    a copy (a later node writes into it in place, where the graph cannot see it).
+    ``probe`` is what one run of the captured graph showed (:func:`.faithful.probe`): nodes
+    that hand back a value another node holds get, with ``collect``, an alias of their own;
+    writes in place that a later node sees run in place, as in the model, and every value
+    they overwrite is reported through a copy of its own (:func:`_snapshot`); a write no later
+    node sees may run out of place. Without it, every write is taken as one nothing sees.
+
+    Raises
+    ------
+    FxnxValueError
+        A node whose write later nodes see has a rule that runs it apart from the graph, or
+        an edge into what it writes was removed from ``G``.
     """
+    probe = probe if probe is not None else Probe()
     gm = plan.gm
     graph = fx.Graph()
     root: dict[str, Any] = {}
@@ -179,6 +190,18 @@ def graft(
     taps: list[tuple[Entry, int, fx.Node]] = []  # direct feedback: (entry, occurrence, value)
     starred, names, collected = [], [], []
     origin: dict[str, fx.Node] = {}
+    # Where a write runs out of place its victims keep their values; elsewhere each victim's
+    # credit is reported through a copy of its own, taken before the write.
+    nodes = {e.node.name: e.node for e in plan.entries}
+    apart = {w for w in probe.writers if w not in probe.observed and runs_out_of_place(nodes[w])}
+    snapshot: dict[str, list[str]] = {}
+    light: set[str] = set()
+    for writer, victims in probe.writers.items():
+        for victim in victims:
+            if writer in apart:
+                light.add(victim)
+            else:
+                snapshot.setdefault(victim, []).append(writer)
 
     def constant(prefix: str, value: Any) -> fx.Node:
         name = f"_fxnx_{prefix}{len(root)}"
@@ -192,6 +215,14 @@ def graft(
                 state = graph.call_function(RoutingState, (), {"seed": seed})
         return state
 
+    def collect_value(name: str, value: fx.Node) -> None:
+        names.append(name)
+        if collect and name in snapshot:
+            value = graph.call_function(_snapshot, (constant("snap", (name, tuple(snapshot[name]))), value))
+        elif collect and name in light:
+            value = graph.call_function(_light, (value,))
+        collected.append(value)
+
     last_placeholder: fx.Node | None = None
     for entry in plan.entries:
         node = entry.node
@@ -200,8 +231,7 @@ def graft(
             starred.append("**" if target.startswith("**") else "*" if target.startswith("*") else "")
             env[node] = last_placeholder = graph.placeholder(f"input_{len(starred)}")
             origin[env[node].name] = node
-            names.append(node.name)
-            collected.append(env[node])
+            collect_value(node.name, env[node])
             continue
         if node.op == "get_attr":
             root[node.target] = fetch_attr(gm, node.target)  # type: ignore[arg-type]
@@ -209,13 +239,14 @@ def graft(
             if collect and entry.param is not None:  # its own credit, apart from other readers
                 env[node] = graph.call_function(_alias, (env[node],))
             origin[env[node].name] = node
-            names.append(node.name)
-            collected.append(env[node])
+            collect_value(node.name, env[node])
             continue
         kind = tier(entry)
         cut = set(entry.cut)
         if kind == "direct":
             cut |= _projected(entry)
+        if node.name in probe.observed:
+            _check_seen_write(entry, kind, cut, probe)
         occ = _occurrence_values(node, env)
         for k in sorted(set(cut) - entry.cut):
             taps.append((entry, k, occ[k]))
@@ -230,7 +261,6 @@ def graft(
             continue
         if node.op == "call_module":
             root[node.target] = gm.get_submodule(node.target)  # type: ignore[arg-type]
-        writes = written_input(node) is not None
         if kind == "native":
             value = graph.call_function(
                 _native_call, (constant("native", _NativeSpec(entry)), *args), kwargs
@@ -238,20 +268,42 @@ def graft(
         elif kind == "function":
             spec = constant("rule", _FunctionSpec.of(entry))
             value = graph.call_function(_function_call, (spec, routing_state(), *_occurrence_values(node, env, cut, graph)))
-        elif writes and (collect or cut):
-            # Out of place: the credit of a written value is its own (collect), and a cut
-            # input must not be written through its detached alias.
+        elif (node.name in apart or (runs_out_of_place(node) and node.name not in probe.writers)) and (collect or cut):
+            # Out of place, where nothing reads what it writes: the credit of a written value
+            # is its own (collect), and a cut input must not be written through its detached alias.
             value = graph.call_function(_out_of_place, (constant("node", entry), *_occurrence_values(node, env, cut, graph)))
         else:
             value = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
         origin[value.name] = node
-        if collect and node.name in aliased:
+        if collect and node.name in probe.shared and node.name not in apart:  # out of place: its own
             value = graph.call_function(_alias, (value,))
-        names.append(node.name)
-        collected.append(value)
-        env[node] = graph.call_function(_copy, (value,)) if collect and node.name in written else value
+        collect_value(node.name, value)
+        env[node] = value
     module = fx.GraphModule(root, graph, class_name="Routed")
     return Graft(module, plan, collect, names, starred, origin)
+
+
+def _check_seen_write(entry: Entry, kind: str, cut: set[int], probe: Probe) -> None:
+    """Refuse what would keep a write that later nodes read from reaching them: a rule that
+    runs the node apart from the graph, or a removed edge into what it writes."""
+    call = entry.call
+    victims = probe.writers[call.name]
+    what = (
+        f"node {call.name!r} writes in place into the value of {', '.join(map(repr, victims[:3]))}"
+        f"{' …' if len(victims) > 3 else ''}, and later nodes read what it wrote"
+    )
+    if kind != "exact":
+        raise FxnxValueError(
+            f"{what}; its rule {entry.rule_name!r} runs the node apart from the graph, where "
+            f"the write would not reach them: route it exactly (rules={{{call.name!r}: "
+            "fxnx.Exact()}), or write out of place in the model"
+        )
+    for k in sorted(cut & set(probe.written.get(call.name, ()))):
+        raise FxnxValueError(
+            f"{what}; G has no edge {call.sources[k]!r} -> {call.name!r} (arg "
+            f"{call.labels[k]!r}), and a write cannot be cut from the value it writes into: "
+            "remove the edges of the nodes that read the written value instead"
+        )
 
 
 def _projected(entry: Entry) -> set[int]:
@@ -290,9 +342,37 @@ def _detach(value: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
-def _copy(value: Any) -> Any:
-    """A copy for a node's readers, which write into it in place."""
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
+def _snapshot(spec: tuple[str, tuple[str, ...]], value: Any) -> Any:
+    """The value of a node that later nodes write into in place, as a value of its own for
+    its credit: a copy, written back into the value (so the writes, and every later reader,
+    follow the copy, and autograd sends the credit of the value as it was computed to it)."""
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if not t.requires_grad:
+            return t.detach()  # no credit; nothing a later write brings is reported here
+        if t.is_leaf:  # a parameter: the model cannot write into it with gradients on
+            return t
+        own = t.clone()
+        try:
+            t.copy_(own)
+        except RuntimeError as err:
+            name, writers = spec
+            raise FxnxValueError(
+                f"node {writers[0]!r} writes in place into the value of node {name!r}, whose "
+                f"credit fxnx cannot keep apart ({err}); write out of place in the model "
+                f"(clone the value before writing into it)"
+            ) from err
+        return own
+
+    return pytree.tree_map(one, value)
+
+
+def _light(value: Any) -> Any:
+    """The value of a node a later write (run out of place where the value carries credit)
+    may write into in place where it does not: that write's credit is not this node's."""
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) and not t.requires_grad else t, value)
 
 
 def _alias(value: Any) -> Any:
@@ -378,7 +458,7 @@ def _native_call(spec: _NativeSpec, *args: Any, **kwargs: Any) -> Any:
     hits = spec.hits
     with spec.hooks:
         out = call_target(call.op, call.target, call.module, args, kwargs)
-    if spec.hits == hits and _needs_input_credit(args, kwargs, spec.weights):
+    if spec.hits == hits and _needs_input_credit(args, kwargs, call):
         raise FxnxValueError(
             f"node {call.name!r}: its backward did not read its weight where feedback weights "
             f"were to replace it, so {entry.rule_name} cannot be applied natively; route it "
@@ -408,10 +488,13 @@ def _inputs_of(entry: Entry, args: Any, kwargs: Any) -> list[Any]:
     return found
 
 
-def _needs_input_credit(args: Any, kwargs: Any, weights: dict[str, Tensor]) -> bool:
-    ids = {id(W) for W in weights.values()}
+def _needs_input_credit(args: Any, kwargs: Any, call: NodeCall) -> bool:
+    """Whether an input other than the node's parameters (an ATen node's weight and bias are
+    arguments) carries credit: only then must its backward have read the weight."""
+    params = [p for _, p in call.param_inputs.values()] + list(call.params.values())
+    own = {(p.data_ptr(), p.shape) for p in params}  # a parameter, or route_credit's alias of it
     return any(
-        isinstance(t, Tensor) and t.requires_grad and id(t) not in ids
+        isinstance(t, Tensor) and t.requires_grad and (t.data_ptr(), t.shape) not in own
         for t in pytree.tree_leaves((args, kwargs))
     )
 
@@ -460,7 +543,13 @@ class _RuleNode(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         leaves_out, tree = pytree.tree_flatten(out)
         tensors = [t.detach() for t in leaves_out if isinstance(t, Tensor)]
-        ctx.mark_non_differentiable(*(t for t in tensors if not (t.is_floating_point() or t.is_complex())))
+        # What carries no gradient in the node's own run carries none here: integers, and
+        # floats of operations without a derivative (histc), which autograd gives no history;
+        # marked so, later nodes (an integer cumsum of them) take them as constants.
+        ctx.mark_non_differentiable(*(
+            d for d, t in zip(tensors, (t for t in leaves_out if isinstance(t, Tensor)), strict=True)
+            if not (t.requires_grad and (t.is_floating_point() or t.is_complex()))
+        ))
         ctx.tree = tree
         holder.extend((leaves_out, tree))
         return tuple(tensors)
@@ -559,7 +648,7 @@ def _like(g: Any, x: Any, what: str) -> Tensor | None:
 
 def _tap(spec: list[tuple[Entry, int]], state: RoutingState, out: Any, *projected: Any) -> Any:
     leaves, tree = pytree.tree_flatten(out)
-    slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())]
+    slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
     if not slots:
         return out
     tapped = _Tap.apply(spec, state, (leaves, tree, slots), *(leaves[i] for i in slots), *projected)

@@ -174,7 +174,9 @@ def _check_nodes(G: nx.MultiDiGraph, model_nodes: list[str]) -> None:
             f"G lacks nodes the model computes: {missing[:8]}{' …' if len(missing) > 8 else ''}. "
             "Route over the graph fxnx.convert made from this model (with the same "
             "leaf_modules and concrete_args); to cut credit paths, remove edges, not nodes. "
-            "If the model changed since G was converted, convert it again and build a new router."
+            "If the model changed since G was converted (a model that changes itself on its "
+            "first call needs that call before it is converted: a warm-up call), convert it "
+            "again and build a new router."
         )
     if extra:
         raise FxnxValueError(

@@ -12,6 +12,7 @@ the NetworkX graph rather than torch's autograd graph, at the cost of one
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 
 from .._compat import OpOverload, op_schema, pytree
 
-__all__ = ["NodeCall", "run_node", "written_input"]
+__all__ = ["NodeCall", "out_of_place_twin", "run_node", "runs_out_of_place", "written_input"]
 
 #: Credit for one input occurrence or one output: a tensor, None (no credit), or a tuple/list
 #: of those for nodes that take or produce several tensors.
@@ -179,32 +180,74 @@ def _out_of_place(module: nn.Module | None) -> Iterator[None]:
 
 
 def run_node(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> Any:
-    """Call the node's target, out of place: ``ReLU(inplace=True)``, ``F.relu(x, inplace=True)``
-    and ``x.relu_()`` run as their out-of-place forms, so the leaves stay intact and credit is
-    that of in-place off (the values are the same)."""
-    target = node.target
+    """Call the node's target, out of place: ``ReLU(inplace=True)``, ``F.relu(x, inplace=True)``,
+    ``x.relu_()``, ``x += y`` and ATen's ``aten.add_`` run as their out-of-place forms
+    (:func:`out_of_place_twin`), so the leaves stay intact and credit is that of in-place off
+    (the values are the same)."""
+    op, target = node.op, node.target
     if kwargs.get("inplace") is True:
         kwargs = {**kwargs, "inplace": False}
-    if _is_inplace_method(node) and isinstance(args[0], Tensor) and args[0].requires_grad:
+    first = args[0] if args else None
+    twin = out_of_place_twin(node) if isinstance(first, Tensor) and first.requires_grad else None
+    if twin is not None:
         # Only a leaf of ours is written out of place: a buffer (``self.count.add_(1)``,
         # timm's ``num_batches_tracked``) must change as it does in ``model(x)``.
-        target = target[:-1]  # type: ignore[index]
+        op, target = twin
     with torch.enable_grad(), _out_of_place(module):
         try:
-            return call_target(node.op, target, module, args, kwargs)
+            out = call_target(op, target, module, args, kwargs)
         except RuntimeError as err:
             if "in-place" not in str(err):
                 raise
-            # An in-place write we could not see coming (inside a custom leaf module).
-            return call_target(node.op, target, module, _clone_tensors(args), _clone_tensors(kwargs))
+            # An in-place write we could not see coming (inside a custom leaf module): the
+            # caller runs a node here only where no later node reads what it writes.
+            return call_target(op, target, module, _clone_tensors(args), _clone_tensors(kwargs))
+    if twin is not None and isinstance(out, Tensor) and out.dtype != first.dtype:
+        out = out.to(first.dtype)  # an in-place op keeps its tensor's dtype; its twin promotes
+    return out
 
 
-#: Augmented assignment, as torch.fx records ``x += y``.
-_AUGMENTED = frozenset({
-    operator.iadd, operator.iand, operator.ifloordiv, operator.ilshift, operator.imatmul,
-    operator.imod, operator.imul, operator.ior, operator.ipow, operator.irshift, operator.isub,
-    operator.itruediv, operator.ixor,
-})
+def out_of_place_twin(node: fx.Node) -> tuple[str, Any] | None:
+    """The ``(op, target)`` computing what ``node`` writes in place, out of place, or None.
+
+    ``x.add_(y)`` has ``x.add(y)``, ``x += y`` has ``x + y``, ``aten.add_.Tensor`` has
+    ``aten.add.Tensor`` (``aten.copy_`` has ``aten.copy``); ``operator.setitem``, wrapped
+    functions and modules have none.
+    """
+    target = node.target
+    if _is_inplace_method(node):
+        return "call_method", target[:-1]  # type: ignore[index]
+    if node.op != "call_function":
+        return None
+    binary = _AUGMENTED.get(target) if isinstance(target, type(operator.iadd)) else None
+    if binary is not None:
+        return "call_function", binary
+    if isinstance(target, OpOverload) and _writes_first_argument(target):
+        return ("call_function", _functional(target)) if _functional(target) is not None else None
+    return None
+
+
+@functools.cache
+def _functional(op: Any) -> Any:
+    """The functional overload of an in-place ATen overload (``aten.add.Tensor`` for
+    ``aten.add_.Tensor``), or None."""
+    schema = op_schema(op)
+    name = getattr(schema, "name", "")
+    namespace, _, base = name.partition("::")
+    if not base.endswith("_") or base.startswith("_"):
+        return None
+    packet = getattr(getattr(torch.ops, namespace, None), base[:-1], None)
+    return getattr(packet, getattr(schema, "overload_name", "") or "default", None)
+
+
+#: Augmented assignment, as torch.fx records ``x += y``, and its out-of-place twin.
+_AUGMENTED = {
+    operator.iadd: operator.add, operator.iand: operator.and_, operator.ifloordiv: operator.floordiv,
+    operator.ilshift: operator.lshift, operator.imatmul: operator.matmul, operator.imod: operator.mod,
+    operator.imul: operator.mul, operator.ior: operator.or_, operator.ipow: operator.pow,
+    operator.irshift: operator.rshift, operator.isub: operator.sub,
+    operator.itruediv: operator.truediv, operator.ixor: operator.xor,
+}
 
 
 def _is_inplace_method(node: fx.Node) -> bool:
@@ -237,6 +280,15 @@ def written_input(node: fx.Node) -> fx.Node | None:
         or _writes_first_argument(target)
     )
     return first if inplace else None
+
+
+def runs_out_of_place(node: fx.Node) -> bool:
+    """Whether :func:`run_node` can run ``node``'s write out of place: it writes into its first
+    argument (:func:`written_input`) in a form that has an out-of-place twin or flag."""
+    target = node.target
+    if written_input(node) is None:
+        return False
+    return not isinstance(target, OpOverload) or _functional(target) is not None
 
 
 def _writes_first_argument(target: Any) -> bool:

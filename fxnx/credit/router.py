@@ -97,7 +97,11 @@ def route_credit(
     ------
     FxnxValueError
         Unknown rule; ``G`` has a cycle, lacks a node the model needs, or has an
-        edge the model does not; ``output_credit`` does not match the output.
+        edge the model does not; ``output_credit`` does not match the output. The
+        model's forward is not one graph (a random choice made in Python while it was
+        captured, a captured graph whose output is not the model's); a node writes in
+        place into a value later nodes read, and its rule runs it apart from the graph
+        or ``G`` lacks the edge into what it writes.
 
     Examples
     --------
