@@ -444,3 +444,16 @@ def test_a_router_refuses_to_be_copied_and_says_what_to_save(how):
     router(x)
     with pytest.raises(fxnx.FxnxTypeError, match="save the model's state_dict and router.feedback"):
         how(router)
+
+
+def test_leaf_modules_on_an_aten_route_are_not_silently_ignored():
+    model, x = Outer().double(), torch.randn(2, 3, dtype=F64)
+    with pytest.warns(UserWarning, match=r"captured with export.*leaf_modules \(class:.*Block\) keep "
+                      "modules whole only when symbolic tracing"):
+        G = fxnx.convert(model, x, leaf_modules=[Block], routes="export")
+    assert "linear" in G  # the block's operators are there
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxnx.convert(model, x, leaf_modules=[Block])  # symbolic_trace keeps it whole: no warning

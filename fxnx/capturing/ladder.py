@@ -363,6 +363,12 @@ def _ladder(
                 "model that rewrites its modules when first run), call it once before "
                 "converting it (a warm-up call) and convert it again"
             )
+        if options.leaf_modules and route.level == "aten":
+            warn_user(
+                f"captured with {name}, whose graph holds ATen operators: leaf_modules "
+                f"({', '.join(options.leaf_modules)}) keep modules whole only when symbolic "
+                "tracing captures the model; this graph has every operator inside them"
+            )
         if name == "make_fx" and failures:
             warn_user(
                 f"captured with make_fx, as {', '.join(n for n, _ in failures)} failed (see "
