@@ -53,6 +53,7 @@ from .capturing import TRACING_LOCK
 from .capturing.inputs import device_of
 from .capturing.shapes import _ShapeProp
 from .capturing.shapes import propagate as propagate_shapes
+from .capturing.tracer import mha_fast_path_off
 from .errors import ShapePropagationError
 
 __all__ = ["kernel", "node_flops", "propagate_and_count"]
@@ -270,7 +271,7 @@ def propagate_and_count(
         return None
     counting = _CountingShapeProp(gm)
     try:
-        with preserved(model), torch.no_grad(), _fast_path_off():
+        with preserved(model), torch.no_grad(), mha_fast_path_off():
             if fake and device_of(model).type != "meta":
                 with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                     fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
@@ -388,16 +389,6 @@ def _from_metadata(meta: Any) -> Any:
     if isinstance(meta, dict):
         return {k: _from_metadata(m) for k, m in meta.items()}
     return meta
-
-
-@contextlib.contextmanager
-def _fast_path_off() -> Iterator[None]:
-    enabled = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(enabled)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from ._callinfo import bind_call, fetch_attr, occurrences, qualified_name
 from ._costs import kernel, node_flops, propagate_and_count
 from ._version import FORMAT_VERSION, __version__
-from .capturing import TRACING_LOCK, Capture, capture
+from .capturing import Capture, capture
 from .capturing.options import LeafSpec
 
 __all__ = ["convert", "graph_from_capture"]
@@ -112,21 +112,20 @@ def convert(
     ('operator.mul', (2, 3))
     """
     with _collection_paused():
-        with TRACING_LOCK:  # held from the capture through its shape propagation, as capture does
-            cap = capture(
-                model,
-                example_inputs,
-                kwargs,
-                leaf_modules=leaf_modules,
-                concrete_args=concrete_args,
-                propagate=propagate_and_count,  # each route's graph, counting FLOPs on the way
-                input_shape=input_shape,
-                dtype=dtype,
-                fake=fake,
-                level=level,
-                routes=routes,
-                leaf_on_failure=leaf_on_failure,
-            )
+        cap = capture(  # holds TRACING_LOCK through each route's shape propagation
+            model,
+            example_inputs,
+            kwargs,
+            leaf_modules=leaf_modules,
+            concrete_args=concrete_args,
+            propagate=propagate_and_count,  # each route's graph, counting FLOPs on the way
+            input_shape=input_shape,
+            dtype=dtype,
+            fake=fake,
+            level=level,
+            routes=routes,
+            leaf_on_failure=leaf_on_failure,
+        )
         return _graph(cap, cap.propagation)
 
 

@@ -40,7 +40,10 @@ from .._compat import mask_helpers
 from .._state import preserved
 from .options import CLASS_PREFIX, TORCH_NN, qualified_class_name
 
-__all__ = ["KEPT_WHOLE", "NeedValue", "Tracer", "evaluate", "is_torch_nn", "torch_nn_traceable"]
+__all__ = [
+    "KEPT_WHOLE", "NeedValue", "Tracer", "evaluate", "is_torch_nn", "mha_fast_path_off",
+    "torch_nn_traceable",
+]
 
 #: ``torch.nn`` modules with submodules that stay whole anyway: ``nn.MultiheadAttention``'s
 #: forward is one functional call with much control flow (and its own fast path).
@@ -277,16 +280,26 @@ def torch_nn_traceable() -> Iterator[None]:
     """While tracing: torch's fused transformer fast path off, so that composites take the
     path made of their submodules, and torch.nn's mask helpers recorded as calls in the
     graph when given a proxy (they check ``isinstance(mask, Tensor)``)."""
-    enabled = torch.backends.mha.get_fastpath_enabled()
     saved = [(owner, name, getattr(owner, name)) for owner, name in mask_helpers()]
-    torch.backends.mha.set_fastpath_enabled(False)
     for owner, name, fn in saved:
         setattr(owner, name, _recorded(fn))
     try:
-        yield
+        with mha_fast_path_off():
+            yield
     finally:
         for owner, name, fn in reversed(saved):
             setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
+def mha_fast_path_off() -> Iterator[None]:
+    """torch's fused transformer fast path off within the block: ``nn.MultiheadAttention``
+    and the transformer layers then run the path made of their submodules' operators."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
 
 
