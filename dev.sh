@@ -36,7 +36,7 @@ need_venv() {
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints/dev.txt \
         -e ".[test,bench]" 2>&1 \
         | grep -v "is ignored: it is neither a file nor a directory" || true
-    "$VENV/bin/python" -c "import fxnx, torch, torchvision, networkx, pydot, pytest, matplotlib, torchview, timm, transformers, sklearn" \
+    "$VENV/bin/python" -c "import fxnx, torch, torchvision, networkx, pydot, pytest, matplotlib, torchview, timm, transformers, sklearn, sphinx, nbclient, ipykernel, hypothesis, mypy" \
         || { echo "dev.sh: the install failed; see the pip output above" >&2; exit 1; }
     echo "$want" > "$stamp"
 }
