@@ -6,9 +6,10 @@ so it works on a graph loaded from a file in an environment without torch.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,30 @@ MERGE_TARGETS = frozenset(
 )
 
 
+#: What a fork and merge is (:attr:`SkipConnection.kind`). A residual adds a learned branch (one
+#: that holds parameters) to the fork's value, carried unchanged (``"identity"``) or through a
+#: projection: a short branch of convolutions, linear layers, pooling and normalisation only
+#: (``"projection"``, ResNet's downsample). Every other fork and merge is ``"parallel"``:
+#: concatenations (DenseNet, Inception), rotary embeddings (``q*cos + rotate_half(q)*sin``),
+#: sums of attention scores, activations written out (``x + 0.044715*x**3``), a state space
+#: model's scan, branches that both transform the fork (GPT-NeoX's ``attn + mlp``).
+SKIP_KINDS = ("identity", "projection", "parallel")
+#: The kinds :func:`skip_connections` returns by default: the residuals users name.
+RESIDUALS = ("identity", "projection")
+
+#: Operators that carry a value unchanged (its dtype, layout or view at most): a skip branch of
+#: these alone is an identity (Mamba's ``residual.to(torch.float32)``, timm's ``nn.Identity``).
+_CARRIES = re.compile(
+    r"(?i)identity|dropout\w*|droppath|stochasticdepth|to|_?to_copy|type|float|contiguous|clone"
+    r"|alias|detach|lift_fresh_copy|view|_unsafe_view|reshape|flatten|unflatten|permute"
+    r"|transpose|t|expand|unsqueeze|squeeze"
+)
+#: Operators a projection is made of: layers that map the fork's value to the merge's shape,
+#: with normalisation, a tuple's item (ATen's pooling) and what carries a value.
+_PROJECTION_LAYERS = re.compile(r"(?i)\w*conv(\d\w*|olution\w*|_?transpose\w*)?|linear|addmm|mm|\w*pool\w*")
+_PROJECTION_EXTRAS = re.compile(r"(?i)\w*norm\w*|getitem")
+
+
 @dataclass(frozen=True)
 class SkipConnection:
     """Where branches that split at ``fork`` rejoin at ``merge``.
@@ -71,6 +96,9 @@ class SkipConnection:
         The nodes on every other branch, in graph order.
     branches : tuple of tuple of str
         Every branch's nodes, shortest first (``branches[0] == skip``).
+    kind : str
+        ``"identity"`` or ``"projection"`` for a residual, else ``"parallel"``
+        (:data:`SKIP_KINDS` says what each means).
     """
 
     merge: str
@@ -78,11 +106,12 @@ class SkipConnection:
     skip: tuple[str, ...]
     residual: tuple[str, ...]
     branches: tuple[tuple[str, ...], ...]
+    kind: str = "parallel"
 
     @property
     def identity(self) -> bool:
-        """Whether the skip branch carries the fork's output unchanged."""
-        return not self.skip
+        """Whether this is a residual whose skip branch carries the fork's output unchanged."""
+        return self.kind == "identity"
 
 
 def topological_order(G: nx.MultiDiGraph) -> list[str]:
@@ -234,8 +263,10 @@ def _data_flow(G: nx.MultiDiGraph) -> nx.DiGraph:
     return flow
 
 
-def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipConnection]:
-    """Find every place where branches of the graph split and rejoin.
+def skip_connections(
+    G: nx.MultiDiGraph, kinds: str | Collection[str] = RESIDUALS, *, annotate: bool = True
+) -> list[SkipConnection]:
+    """Find the residual connections, or every place where branches split and rejoin.
 
     A merge is an addition or concatenation (:data:`MERGE_TARGETS`) of two or
     more distinct tensor-producing inputs; its fork is the merge's immediate
@@ -246,11 +277,20 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
     tensors (``arange``, an ``attention_mask`` input) are not data: paths from
     them do not count.
     Merges whose inputs share no fork, such as adding a learned position
-    embedding, are not skip connections.
+    embedding, are not skip connections, nor are merges of integers or booleans
+    (position ids, masks): no data and no credit flows through them.
+
+    Each fork and merge has a ``kind`` (:data:`SKIP_KINDS`): an ``"identity"`` or
+    ``"projection"`` residual, or ``"parallel"`` branches (concatenations, rotary
+    embeddings, sums of attention scores...). By default only the residuals are
+    returned, the skip connections a reader of the paper would count.
 
     Parameters
     ----------
     G : networkx.MultiDiGraph
+    kinds : str or collection of str
+        The kinds to return: any of :data:`SKIP_KINDS`, or ``"all"``. Default
+        :data:`RESIDUALS`.
     annotate : bool
         Also write the result onto ``G`` as plain data (see Notes).
 
@@ -261,27 +301,37 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
 
     Notes
     -----
-    With ``annotate``, ``G.graph["skip_connections"]`` holds one dict per skip
-    connection (``merge``, ``fork``, ``skip``, ``residual``), and nodes and
-    edges on a branch get ``branch_role`` (``"fork"``, ``"merge"``, ``"skip"``
-    or ``"residual"``) and ``branch_merge`` (the merge node's name). Where skip
-    connections nest, the innermost one names a node's or edge's role. Old
-    annotations are cleared first, so an edited graph is annotated afresh.
+    With ``annotate``, ``G.graph["skip_connections"]`` holds one dict per fork
+    and merge returned (``merge``, ``fork``, ``skip``, ``residual``, ``kind``), and
+    nodes and edges on a branch get ``branch_role`` (``"fork"``, ``"merge"``,
+    ``"skip"`` or ``"residual"``; ``"branch"`` on the branches of a parallel one)
+    and ``branch_merge`` (the merge node's name). Where they nest, the innermost
+    one names a node's or edge's role. Old annotations are cleared first, so an
+    edited graph is annotated afresh.
 
     Examples
     --------
     >>> G = nx.MultiDiGraph([("x", "conv"), ("conv", "add"), ("x", "add"), ("add", "output")])
     >>> nx.set_node_attributes(G, "call_module", "op")
     >>> G.nodes["add"].update(op="call_function", target="operator.add")
-    >>> [(s.fork, s.merge, s.skip, s.residual) for s in skip_connections(G)]
-    [('x', 'add', (), ('conv',))]
+    >>> G.nodes["conv"]["num_params"] = 9
+    >>> [(s.fork, s.merge, s.skip, s.residual, s.kind) for s in skip_connections(G)]
+    [('x', 'add', (), ('conv',), 'identity')]
+
+    Without parameters, ``conv`` would be no learned branch, and the merge no residual:
+
+    >>> G.nodes["conv"]["num_params"] = 0
+    >>> skip_connections(G), [s.kind for s in skip_connections(G, "all")]
+    ([], ['parallel'])
     """
+    wanted = _kinds(kinds)
     order = {n: i for i, n in enumerate(topological_order(G))}
     flow = _data_flow(G)
     merges = [
         n
         for n in order
         if (G.nodes[n].get("op"), G.nodes[n].get("target")) in MERGE_TARGETS
+        and not _integer(G.nodes[n].get("out_dtype"))
         and len({u for u in G.predecessors(n) if u in flow and _carries_tensor(G, u)}) >= 2
     ]
     if not merges:
@@ -302,7 +352,12 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
                 v == u or v in _between(flow, u, v, order) for v in inputs)), _ROOT)
             if fork == _ROOT:
                 continue
-        branches = sorted((_between(flow, fork, u, order) for u in inputs), key=len)
+        # Shortest first; of equal lengths, the one that only carries or projects the fork.
+        branches = sorted((_between(flow, fork, u, order) for u in inputs),
+                          key=lambda b: (len(b), _carries(G, b) + _projection(G, b) != 1))
+        kind = _kind(G, flow, merge, branches)
+        if kind not in wanted:
+            continue
         residual = sorted({n for branch in branches[1:] for n in branch}, key=order.get)
         found.append(
             SkipConnection(
@@ -311,11 +366,70 @@ def skip_connections(G: nx.MultiDiGraph, *, annotate: bool = True) -> list[SkipC
                 skip=branches[0],
                 residual=tuple(residual),
                 branches=tuple(branches),
+                kind=kind,
             )
         )
     if annotate:
         _annotate(G, found)
     return found
+
+
+def _kinds(kinds: str | Collection[str]) -> frozenset[str]:
+    wanted = frozenset(SKIP_KINDS if kinds == "all" else [kinds] if isinstance(kinds, str) else kinds)
+    unknown = sorted(wanted - set(SKIP_KINDS), key=str)
+    if unknown or not wanted:
+        raise FxnxValueError(
+            f"skip_connections: kinds must name some of {', '.join(SKIP_KINDS)} or be 'all', "
+            f"got {kinds!r}"
+        )
+    return wanted
+
+
+def _kind(G: nx.MultiDiGraph, flow: nx.DiGraph, merge: str,
+          branches: list[tuple[str, ...]]) -> str:
+    """What the fork and merge is (:data:`SKIP_KINDS`), from its branches, shortest first."""
+    skip, others = branches[0], branches[1:]
+    if not _adds(G.nodes[merge]) or not all(_learned(G, flow, b) for b in others):
+        return "parallel"
+    if _carries(G, skip):
+        return "identity"
+    if _projection(G, skip) and not any(_projection(G, b) for b in others):
+        return "projection"
+    return "parallel"
+
+
+def _adds(data: dict[str, Any]) -> bool:
+    return "add" in str(data.get("target"))
+
+
+def _learned(G: nx.MultiDiGraph, flow: nx.DiGraph, branch: tuple[str, ...]) -> bool:
+    """Whether a node on ``branch`` holds parameters or reads a parameter from outside the data."""
+    return any(
+        G.nodes[n].get("num_params") or any(
+            G.nodes[p].get("num_params") for p in G.predecessors(n) if p not in flow)
+        for n in branch
+    )
+
+
+def _carries(G: nx.MultiDiGraph, branch: tuple[str, ...]) -> bool:
+    """Whether ``branch`` carries the fork's value unchanged (empty, or views and casts only)."""
+    return all(_CARRIES.fullmatch(_op_name(G.nodes[n])) for n in branch)
+
+
+def _projection(G: nx.MultiDiGraph, branch: tuple[str, ...]) -> bool:
+    """Whether ``branch`` only projects: at least one layer, and nothing but layers, norms, views."""
+    names = [_op_name(G.nodes[n]) for n in branch]
+    return any(_PROJECTION_LAYERS.fullmatch(n) for n in names) and all(
+        _PROJECTION_LAYERS.fullmatch(n) or _PROJECTION_EXTRAS.fullmatch(n) or _CARRIES.fullmatch(n)
+        for n in names)
+
+
+def _op_name(data: dict[str, Any]) -> str:
+    """The operator's own name: ``Conv2d``, ``conv2d``, ``convolution`` (ATen), ``getitem``."""
+    if data.get("op") == "call_module":
+        return str(data.get("module_type")).rsplit(".", 1)[-1]
+    parts = str(data.get("target")).split(".")
+    return parts[-2] if len(parts) > 2 and parts[-3] == "aten" else parts[-1]
 
 
 def _between(flow: nx.DiGraph, fork: Any, node: Any, order: dict[Any, int]) -> tuple[Any, ...]:
@@ -351,12 +465,14 @@ def _annotate(G: nx.MultiDiGraph, skips: list[SkipConnection]) -> None:
     G.graph.pop("skip_connections", None)
     if skips:  # an empty list breaks torch_geometric's from_networkx: written only when found
         G.graph["skip_connections"] = [
-            {"merge": s.merge, "fork": s.fork, "skip": list(s.skip), "residual": list(s.residual)}
+            {"merge": s.merge, "fork": s.fork, "skip": list(s.skip), "residual": list(s.residual),
+             "kind": s.kind}
             for s in skips
         ]
     # Innermost first (fewest nodes between fork and merge); an annotation is never overwritten.
     for s in sorted(skips, key=lambda s: len(s.skip) + len(s.residual)):
-        for role, branch in (("skip", s.skip), ("residual", s.residual)):
+        roles = ("branch", "branch") if s.kind == "parallel" else ("skip", "residual")
+        for role, branch, shortest in zip(roles, (s.skip, s.residual), (True, False), strict=True):
             members = set(branch)
             for node in branch:
                 _claim(G.nodes[node], "branch_role", role)
@@ -364,7 +480,7 @@ def _annotate(G: nx.MultiDiGraph, skips: list[SkipConnection]) -> None:
             # Only edges into a branch node or the merge can lie on the branch (a fork's
             # out-edges can be many: one input read by every block).
             for u, v, data in G.in_edges([*branch, s.merge], data=True):
-                if (u == s.fork or u in members) and (role == "skip" or (u, v) != (s.fork, s.merge)):
+                if (u == s.fork or u in members) and (shortest or (u, v) != (s.fork, s.merge)):
                     _claim(data, "branch_role", role)
                     _claim(data, "branch_merge", s.merge)
         _claim(G.nodes[s.fork], "branch_role", "fork")
@@ -423,7 +539,8 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
     dict
         ``model``, ``nodes``, ``edges``, ``census`` (by op), ``targets``
         (census of call targets), ``num_params``, ``depth`` (longest path, in
-        edges), ``skip_connections`` (count), ``identity_skips``,
+        edges), ``skip_connections`` (residuals, counted), ``identity_skips``,
+        ``parallel_branches`` (other forks and merges, :data:`SKIP_KINDS`),
         ``largest_activation`` (node, shape and bytes of the biggest output),
         ``costs`` (:func:`fxnx.cost_summary`: parameters trainable and frozen, FLOPs,
         multiply-adds) and ``memory`` (the peak of live activation bytes over the pass
@@ -432,7 +549,8 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
     from .frames import cost_summary  # both read G alone; imported here: they import analysis'
     from .memory import memory_profile  # neighbours, and summary is their one user here
 
-    skips = skip_connections(G, annotate=False)  # a summary only reads G
+    skips = skip_connections(G, "all", annotate=False)  # a summary only reads G
+    residuals = [s for s in skips if s.kind in RESIDUALS]
     largest = {"node": None, "shape": None, "nbytes": 0}
     for node in topological_order(G):  # the first of equal size wins
         for _, _, data in G.out_edges(node, data=True):
@@ -454,8 +572,9 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
         "targets": dict(Counter(calls).most_common()),
         "num_params": G.graph.get("num_params"),
         "depth": nx.dag_longest_path_length(G),
-        "skip_connections": len(skips),
+        "skip_connections": len(residuals),
         "identity_skips": sum(s.identity for s in skips),
+        "parallel_branches": sum(s.kind == "parallel" for s in skips),
         "largest_activation": largest,
         "costs": cost_summary(G),
         "memory": _peak(memory_profile, G),
@@ -498,7 +617,8 @@ def format_summary(info: dict[str, Any], top: int = 8) -> str:
         (
             "skip connections",
             f"{info['skip_connections']} ({info['identity_skips']} identity, "
-            f"{info['skip_connections'] - info['identity_skips']} with a projection)",
+            f"{info['skip_connections'] - info['identity_skips']} with a projection; "
+            f"{info['parallel_branches']} other parallel branches)",
         ),
         (
             "largest activation",

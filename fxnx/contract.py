@@ -33,8 +33,9 @@ __all__ = [
 #: The version of this contract. A reader refuses a newer one: an attribute may have changed meaning.
 #: 2 added ``capture_options``; graphs of version 1 are still read (they lack it). 3 gives every
 #: node and edge ``branch_role``/``branch_merge`` after skip_connections (None off every branch)
-#: and writes ``opaque_modules`` and ``skip_connections`` only when not empty.
-FORMAT_VERSION = 3
+#: and writes ``opaque_modules`` and ``skip_connections`` only when not empty. 4 gives each
+#: ``skip_connections`` record its ``kind`` and adds the ``branch`` role (parallel branches).
+FORMAT_VERSION = 4
 
 #: How deeply an attribute's value may nest (lists in dicts in tuples ...).
 MAX_DEPTH = 32
@@ -158,14 +159,15 @@ def _kernel(value: Any) -> str | None:
     )
 
 
-def _records(**fields: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
-    """A list of dicts with exactly these keys."""
+def _records(optional: frozenset[str] = frozenset(),
+             **fields: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """A list of dicts with exactly these keys, those named in ``optional`` allowed to be missing."""
 
     def check(value: Any) -> str | None:
         if type(value) is not list:
             return _got(value)
         for i, item in enumerate(value):
-            problem = _record(fields, item)
+            problem = _record(fields, item, optional)
             if problem:
                 return f"{problem} at [{i}]"
         return None
@@ -173,11 +175,12 @@ def _records(**fields: Callable[[Any], str | None]) -> Callable[[Any], str | Non
     return check
 
 
-def _record(fields: dict[str, Callable[[Any], str | None]], item: Any) -> str | None:
-    if type(item) is not dict or set(item) != set(fields):
+def _record(fields: dict[str, Callable[[Any], str | None]], item: Any,
+            optional: frozenset[str] = frozenset()) -> str | None:
+    if type(item) is not dict or not set(fields) - optional <= set(item) <= set(fields):
         return _got(item)
     for key, check in fields.items():
-        problem = check(item[key])
+        problem = check(item[key]) if key in item else None
         if problem:
             return f"{problem} at [{key!r}]"
     return None
@@ -247,7 +250,7 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
     "op": _enum("placeholder", "get_attr", "call_function", "call_method", "call_module", "output"),
     "phase": _enum("forward", "backward"),
     "level": _enum("module", "aten", "joint"),
-    "branch role or None": _or_none(_enum("fork", "merge", "skip", "residual")),
+    "branch role or None": _or_none(_enum("fork", "merge", "skip", "residual", "branch")),
     "int >= 0 or str": _arg,
     "shape": _nested(_shape_leaf),
     "dtype": _nested(_str_or_none),
@@ -265,8 +268,10 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
          "opaque": _str_list},
         v,
     ),
-    "skip connections": _records(merge=_scalar(str), fork=_scalar(str), skip=_str_list,
-                                 residual=_str_list),
+    # kind from format 4 on: a format 3 file's records have none
+    "skip connections": _records(frozenset({"kind"}), merge=_scalar(str), fork=_scalar(str),
+                                 skip=_str_list, residual=_str_list,
+                                 kind=_enum("identity", "projection", "parallel")),
     "kernel or None": _kernel,
 }
 
@@ -328,7 +333,8 @@ GRAPH_ATTRIBUTES = (
     Attribute("specialised", "bool", "make_fx",
               "whether a tensor's value decided control flow: the graph holds for this input only"),
     Attribute("skip_connections", "skip connections", "skips_found",
-              "one {merge, fork, skip, residual} per skip connection, node names"),
+              "one {merge, fork, skip, residual, kind} per fork and merge skip_connections "
+              "returned, node names; kind is identity, projection or parallel (from format 4)"),
     Attribute("credit_rule", "str", "route_credit", "the rule route_credit used"),
 )
 
@@ -363,7 +369,8 @@ NODE_ATTRIBUTES = (
     Attribute("phase", "phase", "always", "forward or backward (joint graphs)"),
     Attribute("opaque", "bool", "always", "a submodule kept whole because tracing failed in it"),
     Attribute("branch_role", "branch role or None", "skip_connections",
-              "fork, merge, skip or residual: the node's part in the innermost skip connection"),
+              "fork, merge, skip or residual: the node's part in the innermost skip connection; "
+              "branch on the branches of a parallel one"),
     Attribute("branch_merge", "str or None", "skip_connections",
               "the merge node of that skip connection; None off every branch"),
     Attribute("credit_norm", "float or None", "route_credit",
@@ -377,7 +384,8 @@ EDGE_ATTRIBUTES = (
     Attribute("dtype", "dtype", "always", "dtype of the value carried"),
     Attribute("nbytes", "int >= 0 or None", "always", "bytes of the value carried, if known"),
     Attribute("branch_role", "branch role or None", "skip_connections",
-              "skip or residual: the edge's branch in the innermost skip connection"),
+              "skip or residual: the edge's branch in the innermost skip connection; branch "
+              "on the branches of a parallel one"),
     Attribute("branch_merge", "str or None", "skip_connections",
               "the merge node of that skip connection; None off every branch"),
 )
@@ -408,7 +416,7 @@ def validate(G: Any) -> None:
     >>> validate(G)
     Traceback (most recent call last):
     ...
-    fxnx.errors.GraphContractError: G.graph['format_version'] is 4, newer than the 3 this fxnx knows: upgrade fxnx (pip install -U fxnx)
+    fxnx.errors.GraphContractError: G.graph['format_version'] is 5, newer than the 4 this fxnx knows: upgrade fxnx (pip install -U fxnx)
     """
     if not isinstance(G, nx.MultiDiGraph):
         raise GraphContractError(f"G must be a networkx.MultiDiGraph, got {_got(G)}")
@@ -514,7 +522,7 @@ def _describe(kind: str) -> str:
         "plain dict": "a dict of plain data",
         "inputs": "a list of {name, shape, dtype} dicts",
         "primals": "a dict of {kind, name} dicts",
-        "skip connections": "a list of {merge, fork, skip, residual} dicts",
+        "skip connections": "a list of {merge, fork, skip, residual, kind} dicts",
         "kernel or None": "None or a {kernel_size, stride, padding, dilation, groups, "
                           "transposed} dict",
     }.get(kind, "an " + kind if kind[0] in "aeio" else "a " + kind)

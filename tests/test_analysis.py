@@ -57,10 +57,13 @@ def test_mobilenet_v3_small_finds_its_six_inverted_residuals(torchvision_model):
 def test_densenet121_concatenations_are_merges(torchvision_model):
     # Blocks of 6, 12, 24, 16 layers: layer k>1 concatenates k inputs, each block ends in one
     # more cat; the first layer's cat of a single tensor is no merge. 5 + 11 + 23 + 15 + 4 = 58.
+    # Concatenations are parallel branches, not residuals: none by default.
     G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 64, 64))
-    skips = fxnx.skip_connections(G)
+    assert fxnx.skip_connections(G) == []
+    skips = fxnx.skip_connections(G, "all")
     assert len(skips) == 58
     assert {G.nodes[s.merge]["target"] for s in skips} == {"torch.cat"}
+    assert {s.kind for s in skips} == {"parallel"}
 
 
 @pytest.mark.slow
@@ -91,9 +94,9 @@ def test_nested_skips_are_both_found():
 @pytest.mark.parametrize("name", ["add_self", "mul_self", "get_attr_param", "cat_chunk"])
 def test_no_skip_where_nothing_forks_and_rejoins_through_an_add(name):
     # x + x adds one tensor to itself; cat_chunk's cat rejoins chunk's halves (a fork at chunk).
-    skips = fxnx.skip_connections(_zoo(name))
+    skips = fxnx.skip_connections(_zoo(name), "all")
     if name == "cat_chunk":
-        assert [(s.fork, s.merge) for s in skips] == [("chunk", "cat")]
+        assert [(s.fork, s.merge, s.kind) for s in skips] == [("chunk", "cat", "parallel")]
     else:
         assert skips == []
 
@@ -134,7 +137,8 @@ def test_summary_of_resnet18(torchvision_model):
     }
     assert info["targets"]["torch.nn.modules.conv.Conv2d"] == 20
     text = fxnx.format_summary(info)
-    assert "skip connections      8 (5 identity, 3 with a projection)" in text
+    assert ("skip connections      8 (5 identity, 3 with a projection; 0 other parallel branches)"
+            in text)
     assert "11,689,512" in text
 
 
@@ -162,6 +166,7 @@ def test_skip_roles_are_written_onto_g_as_plain_data(tmp_path):
     assert edges[("add_1", "output")] == (None, None)
     assert G.graph["skip_connections"][1] == {
         "merge": "add_1", "fork": "x", "skip": [], "residual": ["inner_lin", "relu", "add", "proj"],
+        "kind": "identity",
     }
     assert_graph_plain(G)
     fxnx.write_pickle(G, tmp_path / "g.pkl")

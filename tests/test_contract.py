@@ -62,13 +62,13 @@ def test_torchvision_graphs_with_annotations_satisfy_the_contract(model, torchvi
     net = torchvision_model(model)
     x = torch.randn(1, 3, 64, 64)
     G = fxnx.convert(net, x)
-    fxnx.skip_connections(G)
+    fxnx.skip_connections(G, "all")  # DenseNet's are all parallel: none by default
     fxnx.route_credit(G, net, x)
     assert "credit_rule" in G.graph and G.graph["skip_connections"]
     fxnx.validate(G)
     for options in ({"level": "aten"}, {"level": "joint"}, {"routes": "export"}):
         H = fxnx.convert(net, x, **options)
-        fxnx.skip_connections(H)
+        fxnx.skip_connections(H, "all")
         fxnx.validate(H)
 
 
@@ -122,7 +122,7 @@ BROKEN = {
     "inputs missing dtype": (_set_graph("inputs", [{"name": "x", "shape": (2, 4)}]),
                              r"'inputs' must be a list of \{name, shape, dtype\} dicts.*at \[0\]"),
     "skip entry not a list": (_set_graph("skip_connections", {"merge": "add"}),
-                              r"'skip_connections' must be a list of \{merge, fork, skip, residual\}"),
+                              r"'skip_connections' must be a list of \{merge, fork, skip, residual, kind\}"),
     "missing node attribute": (lambda G: G.nodes["lin"].pop("scope"),
                                r"node 'lin' lacks attribute 'scope' \(always present"),
     "missing graph attribute": (lambda G: G.graph.pop("model"), r"G.graph lacks attribute 'model'"),
@@ -166,7 +166,7 @@ def test_empty_and_non_multidigraph_graphs_are_refused():
     ("version", "message"),
     [("2", "must be an int .*got str '2'"), (2.0, "got float 2.0"), (99.5, "got float 99.5"),
      (True, "got bool True"), (-1, "got int -1"), (None, "got NoneType"),
-     (fxnx.FORMAT_VERSION + 1, r"newer than the 3 this fxnx knows: upgrade fxnx \(pip install -U fxnx\)")],
+     (fxnx.FORMAT_VERSION + 1, r"newer than the 4 this fxnx knows: upgrade fxnx \(pip install -U fxnx\)")],
 )
 def test_format_version_must_be_an_int_this_fxnx_knows(version, message):
     G = _broken(_set_graph("format_version", version))
