@@ -108,19 +108,19 @@ def nested(depth: int, n: int) -> nx.MultiDiGraph:
 def test_a_10000_merge_chain_has_10000_skips_found_in_seconds():
     # Quadratic before: 4,000 merges took 40-54 s, 8,000 did not finish.
     out = _within(30, """
-        skips = fxnx.skip_connections(chain(10_000))
+        skips = fxnx.skip_connections(chain(10_000), "all")  # relu learns nothing: parallel
         assert len(skips) == 10_000
         for i, s in enumerate(skips):  # by hand: add_i forks at add_(i-1), around relu_i
-            assert (s.merge, s.fork, s.skip, s.residual) == (
-                f"add_{i}", f"add_{i - 1}" if i else "x", (), (f"relu_{i}",))
-        print(fxnx.summary(chain(10_000))["skip_connections"])
+            assert (s.merge, s.fork, s.skip, s.residual, s.kind) == (
+                f"add_{i}", f"add_{i - 1}" if i else "x", (), (f"relu_{i}",), "parallel")
+        print(fxnx.summary(chain(10_000))["parallel_branches"])
     """)
     assert out.split() == ["10000"]
 
 
 def test_10000_merges_forking_at_one_input_are_found_in_seconds():
     out = _within(30, """
-        skips = fxnx.skip_connections(hub(10_000))
+        skips = fxnx.skip_connections(hub(10_000), "all")
         assert [(s.fork, s.skip, s.residual) for s in skips] == [
             ("x", (), (f"relu_{i}",)) for i in range(10_000)]
         print(len(skips))
@@ -158,17 +158,25 @@ def _plain_skip_connections(G):
     return found
 
 
-def _plain_roles(G, skips):
+def _structure(skips):
+    """What the plain definition decides: everything but the kind."""
+    return [(s.merge, s.fork, s.skip, s.residual, s.branches) for s in skips]
+
+
+def _plain_roles(G, skips, kinds):
     """Each node's and edge's branch_role and branch_merge, innermost skip first, as annotated
-    before issue 23: from every edge leaving the fork or a branch node."""
+    before issue 23: from every edge leaving the fork or a branch node. ``kinds``: each skip
+    connection's kind, which names its branches' roles (``branch`` on a parallel one's)."""
     role, merge, edge_role, edge_merge = {}, {}, {}, {}
+    kind_of = dict(zip((s.merge for s in skips), kinds, strict=True))
     for s in sorted(skips, key=lambda s: len(s.skip) + len(s.residual)):
-        for kind, branch in (("skip", s.skip), ("residual", s.residual)):
+        names = ("branch", "branch") if kind_of[s.merge] == "parallel" else ("skip", "residual")
+        for kind, branch, shortest in zip(names, (s.skip, s.residual), (True, False), strict=True):
             for node in branch:
                 role.setdefault(node, kind)
                 merge.setdefault(node, s.merge)
             for u, v, k in G.out_edges([s.fork, *branch], keys=True):
-                if (v == s.merge or v in branch) and (kind == "skip" or (u, v) != (s.fork, s.merge)):
+                if (v == s.merge or v in branch) and (shortest or (u, v) != (s.fork, s.merge)):
                     edge_role.setdefault((u, v, k), kind)
                     edge_merge.setdefault((u, v, k), s.merge)
         role.setdefault(s.fork, "fork")
@@ -219,8 +227,9 @@ def test_skip_connections_match_the_plain_definition_on_random_graphs():
     for _ in range(400):
         G = _random_dag(rng)
         expected = _plain_skip_connections(G)
-        assert fxnx.skip_connections(G) == expected
-        assert _roles(G) == _plain_roles(G, expected)
+        found = fxnx.skip_connections(G, "all")
+        assert _structure(found) == _structure(expected)
+        assert _roles(G) == _plain_roles(G, expected, [s.kind for s in found])
         flow = analysis._data_flow(G)
         idom = nx.immediate_dominators(flow, analysis._ROOT)
         seen_side_inputs += any(idom[s.merge] == analysis._ROOT for s in expected)
@@ -240,8 +249,9 @@ def test_skip_connections_match_the_plain_definition_on_models(name, torchvision
         case = CASES[name]
         G = fxnx.convert(case.build(), *case.inputs(), kwargs=case.kwargs())
     expected = _plain_skip_connections(G)
-    assert fxnx.skip_connections(G) == expected
-    assert _roles(G) == _plain_roles(G, expected)
+    found = fxnx.skip_connections(G, "all")
+    assert _structure(found) == _structure(expected)
+    assert _roles(G) == _plain_roles(G, expected, [s.kind for s in found])
 
 
 # --- a cycle is one error that says what to do ----------------------------------------------
