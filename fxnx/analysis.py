@@ -343,7 +343,7 @@ def skip_connections(
     for merge in merges:
         fork = idom[merge]
         inputs = sorted(
-            {u for u in G.predecessors(merge) if u in flow and _carries_tensor(G, u)}, key=order.get
+            {u for u in G.predecessors(merge) if u in flow and _carries_tensor(G, u)}, key=order.__getitem__
         )
         if fork == _ROOT:
             # No common fork because a branch also reads a side input (cross-attention reads
@@ -358,7 +358,7 @@ def skip_connections(
         kind = _kind(G, flow, merge, branches)
         if kind not in wanted:
             continue
-        residual = sorted({n for branch in branches[1:] for n in branch}, key=order.get)
+        residual = sorted({n for branch in branches[1:] for n in branch}, key=order.__getitem__)
         found.append(
             SkipConnection(
                 merge=merge,
@@ -447,7 +447,7 @@ def _between(flow: nx.DiGraph, fork: Any, node: Any, order: dict[Any, int]) -> t
         return (u for u in flow.predecessors(w) if order.get(u, -1) > order[fork])
 
     up = sorted({node, *(v for _, v in nx.generic_bfs_edges(flow, node, neighbors=later))},
-                key=order.get)
+                key=order.__getitem__)
     below = {fork}  # of those, the ones that descend from fork: all of them, under a dominator
     for w in up:
         if any(u in below for u in flow.predecessors(w)):
@@ -551,7 +551,7 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
 
     skips = skip_connections(G, "all", annotate=False)  # a summary only reads G
     residuals = [s for s in skips if s.kind in RESIDUALS]
-    largest = {"node": None, "shape": None, "nbytes": 0}
+    largest: dict[str, Any] = {"node": None, "shape": None, "nbytes": 0}
     for node in topological_order(G):  # the first of equal size wins
         for _, _, data in G.out_edges(node, data=True):
             if (data.get("nbytes") or 0) > largest["nbytes"]:

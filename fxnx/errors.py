@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 
 __all__ = [
@@ -90,7 +91,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """Warn, pointing at the caller's own line rather than at fxnx's internals."""
-    level, frame = 2, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
+    level = 2  # warn_user's caller; then up to the first frame outside fxnx
+    caller: types.FrameType | None = sys._getframe(1)
+    while caller is not None and os.path.abspath(caller.f_code.co_filename).startswith(_PACKAGE):
+        caller, level = caller.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

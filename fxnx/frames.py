@@ -101,7 +101,7 @@ def cost_summary(G: nx.MultiDiGraph) -> dict[str, Any]:
     {'params': 8, 'trainable_params': 6, 'frozen_params': 2, 'flops': 60, 'macs': 30, 'forward_flops': 60, 'backward_flops': 0}
     """
     params, trainable = G.graph.get("num_params"), G.graph.get("trainable_params")
-    phases = {"forward": 0, "backward": 0}
+    phases: dict[str, int | None] = {"forward": 0, "backward": 0}
     for _, data in G.nodes(data=True):
         phase = data.get("phase", "forward")
         flops = data.get("flops")
