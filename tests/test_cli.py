@@ -22,7 +22,7 @@ def test_convert_writes_the_graph_and_prints_the_summary(tmp_path, capsys):
     out = tmp_path / "sub" / "r18.pkl"
     assert main(["convert", "resnet18", "--input-shape", "1,3,64,64", "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "skip connections      8 (5 identity, 3 with a projection)" in text
+    assert "skip connections      8 (5 identity, 3 with a projection; 0 other parallel branches)" in text
     assert "11,689,512" in text
     assert "call_module         60" in text
     G = fxnx.read_pickle(out)

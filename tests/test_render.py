@@ -65,7 +65,7 @@ def _all_edges(graph):
         yield from _all_edges(sub)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50", "densenet121", "mobilenet_v3_small"])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v3_small"])
 def test_skip_edges_stand_out_and_merges_are_marked(name, torchvision_model):
     G = fxnx.convert(torchvision_model(name), torch.randn(1, 3, 64, 64))
     skips = fxnx.skip_connections(G)
@@ -258,7 +258,15 @@ def test_checks_of_timm_models_are_what_the_output_does_not_need(name):
     assert any(G.nodes[n]["target"] == "torch._assert" for n in checks)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "densenet121", "mobilenet_v3_small"])
+def test_densenet_concatenations_are_not_drawn_as_skips(torchvision_model):
+    # DenseNet's merges are concatenations: parallel branches, not residuals (issue 27, item 6)
+    G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 64, 64))
+    nodes, edges = _styles(fxnx.to_pydot(G))
+    assert not any(e.get("color") == _style.SKIP for e in edges)
+    assert not any(a.get("peripheries") == "2" for a in nodes.values())
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
 def test_every_edge_into_a_merge_is_styled_by_its_branch_role(name, torchvision_model):
     G = fxnx.convert(torchvision_model(name), torch.randn(1, 3, 64, 64))
     fxnx.skip_connections(G)
