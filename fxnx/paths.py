@@ -62,11 +62,12 @@ def path_length_counts(G: nx.MultiDiGraph, *, input: str | None = None) -> dict[
 
     Examples
     --------
-    Two identity skips around ``f`` and ``g``, and a plain layer ``h``:
+    Two identity skips around learned layers ``f`` and ``g``, and a layer ``h``:
 
     >>> G = nx.MultiDiGraph([("x", "f"), ("f", "add"), ("x", "add"), ("add", "g"),
     ...                      ("g", "add_1"), ("add", "add_1"), ("add_1", "h"), ("h", "out")])
     >>> nx.set_node_attributes(G, "call_module", "op")
+    >>> nx.set_node_attributes(G, {"f": 64, "g": 64, "h": 64}, "num_params")
     >>> G.nodes["x"]["op"], G.nodes["out"]["op"] = "placeholder", "output"
     >>> for merge in ("add", "add_1"):
     ...     G.nodes[merge].update(op="call_function", target="operator.add")

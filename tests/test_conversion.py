@@ -167,7 +167,7 @@ def test_resnet18_attributes(torchvision_model):
     G = fxnx.convert(torchvision_model("resnet18"), torch.randn(2, 3, 224, 224))
     assert G.graph["model"] == "torchvision.models.resnet.ResNet"
     assert G.graph["capture"] == "symbolic_trace"
-    assert G.graph["format_version"] == fxnx.FORMAT_VERSION == 3
+    assert G.graph["format_version"] == fxnx.FORMAT_VERSION == 4
     assert G.graph["torch_version"] == torch.__version__
     assert G.graph["inputs"] == [{"name": "x", "shape": (2, 3, 224, 224), "dtype": "torch.float32"}]
     assert G.graph["modules"]["layer1.0"] == "torchvision.models.resnet.BasicBlock"
