@@ -10,8 +10,13 @@ so ``macs`` is half of ``flops``.
 It costs little because nothing runs just to be counted where something runs anyway:
 
 * :func:`propagate_and_count` counts while shape propagation runs the nodes (graphs traced by
-  ``symbolic_trace`` or ``torch.export``, with real, fake or ``meta`` tensors), at a few
-  microseconds per operator;
+  ``symbolic_trace`` or ``torch.export``, with real, fake or ``meta`` tensors). A node that
+  calls a layer, function, method or ATen operator fxnx knows is counted from its values'
+  shapes with torch's formula for the operator it reaches (convolutions, linear layers,
+  matrix products), or is 0 (activations, norms, pooling, shape changes: no operator with a
+  formula), with no dispatch mode at all; only the other nodes run inside the counting
+  mode, entered around each alone (a dispatch mode around the whole propagation costs
+  about a tenth of a ResNet-50's conversion);
 * :func:`node_flops` counts graphs whose shapes ``make_fx`` recorded without a
   propagation (``level="aten"`` and ``"joint"``): it runs each node again on ``meta``
   tensors (shapes without data) made from the recorded metadata, and runs an ATen node
@@ -28,7 +33,10 @@ math kernel (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``).
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 import re
+import types
 from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
@@ -41,16 +49,16 @@ from torch.utils.flop_counter import flop_registry
 
 from ._callinfo import fetch_attr
 from ._compat import (
-    FakeTensorMode,
     OpOverload,
     TorchDispatchMode,
     cpu_attention_formulas,
     decomposes,
+    global_module_hooks,
+    is_fake,
     op_schema,
 )
-from ._state import preserved, random_state_kept
+from ._state import random_state_kept
 from .capturing import TRACING_LOCK
-from .capturing.inputs import device_of
 from .capturing.shapes import _ShapeProp
 from .capturing.shapes import propagate as propagate_shapes
 from .capturing.tracer import mha_fast_path_off
@@ -236,17 +244,61 @@ def _rebuilt(described: Any) -> Any:
 
 
 class _CountingShapeProp(_ShapeProp):
-    """Shape propagation that takes, after each node, what its counter counted meanwhile."""
+    """Shape propagation that records each node's FLOPs and multiply-adds in ``counts``.
+
+    A node whose call :meth:`known_count` knows is counted from its values' shapes with
+    torch's formula, or is 0, without a dispatch mode; any other node runs inside the
+    :class:`_Counter`, entered around that node alone.
+    """
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.counter = _Counter()
         self.counts: dict[str, tuple[int | None, int | None]] = {}
+        self.hooks_everywhere = any(global_module_hooks())  # they run in every module's call
+        self.known: dict[int, bool] = {}  # id of a module to whether its call is known
 
-    def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        self.counts[n.name] = self.counter.take()
+    def call(self, n: fx.Node, args: Any, kwargs: Any) -> Any:
+        count = self.known_count(n, args, kwargs)
+        if count is None:  # count what it runs
+            with self.counter:
+                result = super().call(n, args, kwargs)
+            self.counts[n.name] = self.counter.take()
+        else:
+            result = super().call(n, args, kwargs)
+            self.counts[n.name] = count(result)
         return result
+
+    def known_count(self, n: fx.Node, args: Any, kwargs: Any) -> _Count | None:
+        """How to count ``n`` from its result, where its target is known (else None)."""
+        if n.op in ("placeholder", "get_attr", "output"):
+            return _nothing
+        if not (_plain(args) and _plain(kwargs)):
+            return None
+        if n.op == "call_module":
+            module = self.submodules.get(str(n.target))
+            known = _MODULES.get(type(module))
+            if module is None or known is None or not self.runs_as_known(module, known[0]):
+                return None
+            return known[1](module, args, kwargs)
+        if n.op == "call_method":
+            rule = _METHODS.get(str(n.target)) if args and type(args[0]) in _TENSORS else None
+        elif isinstance(n.target, OpOverload):
+            rule = _op_rule(n.target, self.counter)
+        else:
+            rule = _FUNCTIONS.get(n.target) if isinstance(n.target, _FUNCTION_TYPES) else None
+        return None if rule is None else rule(None, args, kwargs)
+
+    def runs_as_known(self, module: nn.Module, forward: Any) -> bool:
+        """Whether calling ``module`` runs ``forward`` (its class's, as fxnx knows it) and
+        nothing else: no hook, no ``forward`` set on the instance, no tensor of a class of
+        its own (whose methods could run operators of their own)."""
+        known = self.known.get(id(module))
+        if known is None:
+            known = self.known[id(module)] = (
+                type(module).forward is forward and not self.hooks_everywhere
+                and _runs_its_class_forward(module))
+        return known
 
 
 def propagate_and_count(
@@ -271,20 +323,260 @@ def propagate_and_count(
         return None
     counting = _CountingShapeProp(gm)
     try:
-        with preserved(model), torch.no_grad(), mha_fast_path_off():
-            if fake and device_of(model).type != "meta":
-                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                    fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
-                             for x in inputs]
-                    with counting.counter:
-                        counting.run(*fakes)
-            else:
-                with counting.counter:
-                    counting.run(*inputs)
+        with mha_fast_path_off():
+            propagate_shapes(gm, model, inputs, fake, interpreter=counting)
     except ShapePropagationError:
         propagate_shapes(gm, model, inputs, fake)  # raises again if counting was not the cause
         return None
     return counting.counts
+
+
+# --- FLOPs from shapes --------------------------------------------------------------------------
+#
+# What FlopCounterMode counts for a call of a known layer or function, without running a
+# dispatch mode: torch's own formula (``flop_registry``) applied to the shapes of the
+# operator the call reaches, or 0 for calls whose operators have no formula and decompose
+# into none that has. A rule takes (module or None, args, kwargs) before the call runs and
+# gives a function of its result, or None where it cannot say (the node is then counted by
+# running it in the counting mode). tests/test_costs_known.py holds each rule to
+# FlopCounterMode.
+
+_Count = Callable[[Any], tuple[int | None, int | None]]
+_Rule = Callable[[Any, Any, Any], _Count | None]
+_aten = torch.ops.aten
+_TENSORS: set[type] = {torch.Tensor, nn.Parameter}  # fake tensors' class joins on first sight
+_SCALARS = frozenset({int, float, bool, str, type(None), type(...), torch.dtype, torch.device,
+                      torch.layout, torch.memory_format, torch.Size})
+_FUNCTION_TYPES = (types.BuiltinFunctionType, types.FunctionType)
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` holds only tensors of torch's own classes and plain Python values:
+    nothing whose methods could run operators of their own."""
+    kind = type(value)
+    if kind in _TENSORS or kind in _SCALARS:
+        return True
+    if kind is list or kind is tuple:
+        return all(_plain(v) for v in value)
+    if kind is dict:
+        return all(_plain(v) for v in value.values())
+    if kind is slice:
+        return _plain((value.start, value.stop, value.step))
+    if is_fake(value):
+        _TENSORS.add(kind)
+        return True
+    return False
+
+
+def _runs_its_class_forward(module: nn.Module) -> bool:
+    """Whether ``module`` has no hook (torch keeps a module's hooks in attributes named so),
+    no ``forward`` of its own and, in its attributes and their tables (parameters, buffers),
+    only tensors of torch's own classes. One pass over its attributes."""
+    for name, value in vars(module).items():
+        if "hook" in name or name == "forward":
+            if value:
+                return False
+        elif isinstance(value, dict):
+            for v in value.values():
+                if isinstance(v, torch.Tensor) and type(v) not in _TENSORS:
+                    return False
+        elif isinstance(value, torch.Tensor) and type(value) not in _TENSORS:
+            return False
+    return True
+
+
+def _nothing(result: Any) -> tuple[int, int]:
+    return 0, 0
+
+
+def _zero(module: Any, args: Any, kwargs: Any) -> _Count:
+    return _nothing
+
+
+def _shape_formula(op: Any) -> Callable[..., Any]:
+    """torch's formula for ``op``, taking shapes: without the wrapper that first maps every
+    tensor in the arguments to its shape (a pytree walk that costs more than the formula)."""
+    formula = flop_registry[op]
+    return getattr(formula, "__wrapped__", formula)
+
+
+def _of_aten(flops: Any) -> tuple[int, int]:
+    """FLOPs from one of torch's ATen formulas, and multiply-adds: two FLOPs each."""
+    return int(flops), int(flops) // 2
+
+
+def _arg(args: Any, kwargs: Any, index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _dense(*values: Any) -> bool:
+    """Whether every value is a strided tensor of torch's own classes (the operators a
+    sparse tensor reaches are not the dense ones)."""
+    return all(type(v) in _TENSORS and v.layout is torch.strided for v in values)
+
+
+def _conv_count(x: Any, weight: Any, transposed: bool) -> _Count | None:
+    """aten.convolution's formula, for a batched input (an unbatched one gets a batch of 1
+    on the way: left to the counting mode)."""
+    if not _dense(x, weight) or x.dim() != weight.dim():
+        return None
+    formula = _shape_formula(_aten.convolution)
+    return lambda out: _of_aten(formula(x.shape, weight.shape, None, None, None, None,
+                                        transposed, out_shape=out.shape))
+
+
+def _linear_count(x: Any, weight: Any) -> _Count | None:
+    """aten.mm's formula for the rows of ``x`` by the weight, which every way torch's linear
+    takes (addmm, mm, matmul folded to mm) counts."""
+    if not _dense(x, weight) or weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        return None
+    rows, (outputs, inputs) = math.prod(x.shape[:-1]), weight.shape
+    flops = _shape_formula(_aten.mm)((rows, inputs), (inputs, outputs))
+    return lambda out: _of_aten(flops)
+
+
+def _matmul_count(a: Any, b: Any) -> _Count | None:
+    """aten.bmm's formula over the broadcast batch, where both operands are matrices or
+    batches of them (a vector operand may reach mv or dot, which have no formula)."""
+    if not _dense(a, b) or min(a.dim(), b.dim()) < 2:
+        return None
+    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    flops = _shape_formula(_aten.bmm)((batch, *a.shape[-2:]), (batch, *b.shape[-2:]))
+    return lambda out: _of_aten(flops)
+
+
+def _module_conv(module: Any, args: Any, kwargs: Any) -> _Count | None:
+    return _conv_count(_arg(args, kwargs, 0, "input"), module.weight, module.transposed)
+
+
+def _module_linear(module: Any, args: Any, kwargs: Any) -> _Count | None:
+    return _linear_count(_arg(args, kwargs, 0, "input"), module.weight)
+
+
+def _function_conv(transposed: bool) -> _Rule:
+    def rule(module: Any, args: Any, kwargs: Any) -> _Count | None:
+        x, weight = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+        return _conv_count(x, weight, transposed)
+    return rule
+
+
+def _function_linear(module: Any, args: Any, kwargs: Any) -> _Count | None:
+    return _linear_count(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"))
+
+
+def _function_matmul(module: Any, args: Any, kwargs: Any) -> _Count | None:
+    return _matmul_count(*args) if len(args) == 2 and not kwargs else None
+
+
+def _op_rule(op: Any, counter: _Counter) -> _Rule | None:
+    """The rule of an ATen operator: 0 if it may not count, its formula applied to its
+    arguments as FlopCounterMode applies it, a composite's rule, else None."""
+    if op in _OPS_SEEN:
+        return _OPS_SEEN[op]
+    rule = _COMPOSITES.get(op)
+    if rule is None:
+        if not counter.may_count(op):
+            rule = _zero
+        elif (formula := counter.formulas.get(op.overloadpacket)) is not None and _functional(op):
+            rule = _formula_rule(op, formula)
+    _OPS_SEEN[op] = rule
+    return rule
+
+
+def _formula_rule(op: Any, formula: Any) -> _Rule:
+    keywords = frozenset(a.name for a in op_schema(op).arguments if a.kwarg_only)
+
+    def rule(module: Any, args: Any, kwargs: Any) -> _Count | None:
+        if not keywords.issuperset(kwargs):  # as the dispatcher passes them: by position
+            return None
+
+        def count(out: Any) -> tuple[int, int | None]:
+            flops = int(formula(*args, **kwargs, out_val=out))
+            return (flops, flops // 2) if op.namespace == "aten" else (flops, None)
+        return count
+    return rule
+
+
+def _functional_overloads(*names: str) -> list[Any]:
+    """The overloads of these ATen operators that write none of their arguments."""
+    packets = [getattr(_aten, name, None) for name in names]
+    overloads = [getattr(p, o) for p in packets if p is not None for o in p.overloads()]
+    return [op for op in overloads if _functional(op)]
+
+
+_F = torch.nn.functional
+_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                 nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+#: Layers counted without running a mode, each with its ``forward`` (a class whose forward
+#: was replaced is not known): the weighted ones by formula, the rest count 0 (none of their
+#: operators has a formula or decomposes into one that has).
+_MODULES: dict[type, tuple[Any, _Rule]] = {
+    **{cls: (cls.forward, _module_conv) for cls in _CONV_MODULES},
+    nn.Linear: (nn.Linear.forward, _module_linear),
+    **{cls: (cls.forward, _zero) for cls in (
+        nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+        nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus,
+        nn.Softmax, nn.LogSoftmax, nn.GLU,
+        nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+        nn.Identity, nn.Flatten, nn.Unflatten, nn.PixelShuffle, nn.PixelUnshuffle,
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm,
+        nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
+        nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+        nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+        nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+        nn.ZeroPad1d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ReflectionPad1d,
+        nn.ReflectionPad2d, nn.ReplicationPad1d, nn.ReplicationPad2d, nn.Embedding,
+    )},
+}
+#: Functions counted without running a mode, as the graph calls them.
+_FUNCTIONS: dict[Any, _Rule] = {
+    **{f: _function_conv(False) for f in (_F.conv1d, _F.conv2d, _F.conv3d)},
+    **{f: _function_conv(True) for f in (
+        _F.conv_transpose1d, _F.conv_transpose2d, _F.conv_transpose3d)},
+    _F.linear: _function_linear,
+    **{f: _function_matmul for f in (torch.matmul, operator.matmul, torch.mm, torch.bmm)},
+    **{f: _zero for f in (
+        operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+        operator.mod, operator.pow, operator.neg, operator.getitem, operator.eq, operator.ne,
+        operator.lt, operator.le, operator.gt, operator.ge, operator.iadd, operator.imul,
+        getattr,
+        torch.add, torch.sub, torch.mul, torch.div, torch.cat, torch.stack, torch.flatten,
+        torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze,
+        torch.split, torch.chunk, torch.narrow, torch.where, torch.relu, torch.sigmoid,
+        torch.tanh, torch.exp, torch.sqrt, torch.rsqrt, torch.pow, torch.abs, torch.clamp,
+        torch.sum, torch.mean, torch.softmax, torch.cumsum, torch.argmax, torch.tril,
+        torch.triu, torch.masked_fill, torch.gather, torch.roll, torch.zeros, torch.ones,
+        torch.arange, torch.full, torch.zeros_like, torch.ones_like,
+        _F.relu, _F.relu6, _F.gelu, _F.silu, _F.mish, _F.hardswish, _F.hardsigmoid,
+        _F.hardtanh, _F.leaky_relu, _F.elu, _F.softmax, _F.log_softmax, _F.dropout,
+        _F.layer_norm, _F.group_norm, _F.batch_norm, _F.normalize, _F.pad, _F.embedding,
+        _F.max_pool1d, _F.max_pool2d, _F.max_pool3d, _F.avg_pool1d, _F.avg_pool2d,
+        _F.avg_pool3d, _F.adaptive_avg_pool1d, _F.adaptive_avg_pool2d, _F.adaptive_avg_pool3d,
+        _F.adaptive_max_pool2d,
+    )},
+}
+#: Tensor methods counted without running a mode, by name.
+_METHODS: dict[str, _Rule] = {
+    **{name: _function_matmul for name in ("matmul", "mm", "bmm")},
+    **{name: _zero for name in (
+        "view", "reshape", "permute", "transpose", "t", "contiguous", "size", "dim", "flatten",
+        "unsqueeze", "squeeze", "expand", "expand_as", "view_as", "reshape_as", "chunk",
+        "split", "unbind", "narrow", "to", "type_as", "float", "half", "int", "long", "bool",
+        "clone", "detach", "repeat", "add", "sub", "mul", "div", "add_", "mul_", "neg", "exp",
+        "pow", "sqrt", "rsqrt", "abs", "clamp", "relu", "sigmoid", "tanh", "softmax", "sum",
+        "mean", "argmax", "masked_fill", "gather", "new_zeros", "new_ones", "fill_", "zero_",
+    )},
+}
+#: ATen operators' rules as :func:`_op_rule` found them.
+_OPS_SEEN: dict[Any, _Rule | None] = {}
+#: ATen composites with a rule of their own (for others, :func:`_op_rule` finds one).
+_COMPOSITES: dict[Any, _Rule] = {
+    _aten.linear.default: _function_linear,
+    _aten.matmul.default: _function_matmul,
+    **{op: _function_conv(False) for op in _functional_overloads("conv1d", "conv2d", "conv3d")},
+    **{op: _function_conv(True) for op in _functional_overloads(
+        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")},
+}
 
 
 def node_flops(
@@ -414,8 +706,6 @@ def _attributes_kept(module: nn.Module) -> Iterator[None]:
 
 _CONV = re.compile(r"_?conv(_transpose)?([123])d|_?convolution")
 _POOL = re.compile(r"_?(max|avg)_pool([123])d(_with_indices)?")
-_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d,
-                 nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _POOL_MODULES = {cls: int(cls.__name__[-2]) for cls in (
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)}
 #: F.max_pool2d and its kin take ``*args``: their parameters, in order.

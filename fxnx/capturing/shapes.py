@@ -56,11 +56,16 @@ class _ShapeProp(fx.Interpreter):
         # (nothing here traces or records node metadata): a fifth of the interpreter's time.
         args, kwargs = mutable(self.fetch_args_kwargs_from_env(n))
         try:
-            result = getattr(self, n.op)(n.target, args, kwargs)
+            result = self.call(n, args, kwargs)
         except Exception as err:
             raise node_failure("shape propagation", n, args, kwargs, err) from err
         _record(n, result)
         return result
+
+    def call(self, n: fx.Node, args: Any, kwargs: Any) -> Any:
+        """Run one node on its values: what a subclass extends to do more per node (the
+        FLOP count, :mod:`fxnx._costs`). An error raised here names the node."""
+        return getattr(self, n.op)(n.target, args, kwargs)
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         # The module by its path in one lookup; a path that named_modules() skipped (a
@@ -146,15 +151,23 @@ def _describe_value(value: Any) -> Any:
     return value
 
 
-def propagate(gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool) -> None:
-    """Run the inputs through the graph without leaving a trace on the model, buffers or RNG."""
+def propagate(
+    gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool,
+    interpreter: _ShapeProp | None = None,
+) -> None:
+    """Run the inputs through the graph without leaving a trace on the model, buffers or RNG.
+
+    ``interpreter``, a :class:`_ShapeProp` (or subclass) over ``gm``, runs the nodes
+    (a fresh one by default); with ``fake`` it runs fake tensors.
+    """
+    interpreter = interpreter or _ShapeProp(gm)
     with preserved(model), torch.no_grad():
         if fake and device_of(model).type != "meta":
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
-                _ShapeProp(gm).run(*fakes)
+                interpreter.run(*fakes)
         else:
-            _ShapeProp(gm).run(*inputs)
+            interpreter.run(*inputs)
 
 
 def shape_source(model: Any, fake: bool) -> str:
