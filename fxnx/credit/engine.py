@@ -63,7 +63,11 @@ class CreditRouter(nn.Module):
     The router is an ``nn.Module`` holding ``model``: ``router.parameters()`` and
     buffers are the model's. The capture of the model and the routing plan are
     made on the first call and reused while the model's structure and the
-    inputs' structure stay the same; ``G`` is validated once, here.
+    inputs' structure stay the same; ``G`` is validated once, here. Where every
+    node is routed exactly and no edge of ``G`` is removed, routing *is* autograd's:
+    after the first call (which checks that the captured graph computes what the
+    model computes), the router's forward is then the model's own, at the cost
+    of checking that the model's structure is still the one ``G`` describes.
 
     Parameters
     ----------
@@ -184,6 +188,7 @@ class CreditRouter(nn.Module):
         self._bound: dict[tuple[str, int, int], Any] = {}
         self._plan: Plan | None = None
         self._fast: dict[bool, tuple[Any, Graft, Capture]] = {}
+        self._positional = False
         self._watched: dict[int, list[nn.Module]] = {}
         self._last = threading.local()  # this thread's last forward, for backward()
 
@@ -209,9 +214,22 @@ class CreditRouter(nn.Module):
             return self.model(*inputs, **kwargs)
         run, values = self.grafted(inputs, kwargs, collect=self.node_credit)
         with TRACING_LOCK:  # other threads' tracing must not patch the modules this run calls
-            result, output, nodes = run_checked(run, self.model, values)
+            if run.plain:  # routing is autograd's own: the model's forward, bit for bit
+                result = output = self._eager(inputs, kwargs)
+                nodes = None
+            else:
+                result, output, nodes = run_checked(run, self.model, values)
         self._last.run = (run, result, output, nodes)
         return result
+
+    def _eager(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """The model called on ``inputs`` as its capture was (the keyword arguments convert
+        fixes, such as ``use_cache=False``, and the ``concrete_args`` given)."""
+        concrete = dict(self._capture["concrete_args"] or {})
+        bound = bind_inputs(self.model, inputs, kwargs, concrete, copy=False)
+        if bound is None:
+            return self.model(*inputs, **kwargs)
+        return self.model(*bound.args, **bound.kwargs, **concrete)
 
     def backward(  # type: ignore[override]
         self, loss: Tensor | None = None, *, output_credit: Any = None, node_credit: bool = False
@@ -271,7 +289,10 @@ class CreditRouter(nn.Module):
             pairs = [(t, g) for t, g in zip(pytree.tree_leaves(result), flat, strict=True)
                      if isinstance(t, Tensor) and isinstance(g, Tensor) and t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        params = {n: p for n, p in run.plan.params.items() if p.requires_grad}
+        params = run.plan.params
+        if run.plain and isinstance(self.model, nn.Module):  # the model as it is now
+            params = dict(self.model.named_parameters())
+        params = {n: p for n, p in params.items() if p.requires_grad}
         names = [*run.names, _RESULT] if node_credit else [_RESULT]
         try:
             nodes_got, params_got = routed(names, (*nodes, result) if node_credit else (result,), roots, grads, params)
@@ -366,6 +387,10 @@ class CreditRouter(nn.Module):
         if fast is not None:
             guard, run, cap = fast
             if guard == self._guard(cap, inputs, kwargs):
+                if run.plain:
+                    return run, []
+                if not collect and not kwargs and self._positional:
+                    return run, list(inputs)
                 return run, placeholders_for(cap, self.model, inputs, kwargs, copy=collect)
         cap = recapture(self.G, self.model, inputs, kwargs, **self._capture)
         if cap.varies:
@@ -394,6 +419,14 @@ class CreditRouter(nn.Module):
             cap_ = dataclasses.replace(cap, model=None, inputs=None)
             self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
             self._fast[collect] = (self._guard(cap_, inputs, kwargs), run, cap_)
+            if not collect:
+                # Inputs of this structure bind to the placeholders one by one, in order (the
+                # guard keeps the structure): later calls pass them on without binding them.
+                bound = placeholders_for(cap_, self.model, inputs, kwargs, copy=False)
+                self._positional = (
+                    not kwargs and bound is not None and len(bound) == len(inputs)
+                    and all(a is b for a, b in zip(bound, inputs, strict=True))
+                )
         return run, cap.inputs or []
 
     def _probe(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Probe:
@@ -507,8 +540,13 @@ def routed(
     ``names``; the values a collecting forward returned, or None) and at each parameter.
     Nothing is accumulated."""
     wrt: list[Tensor] = list(params.values())
-    places: list[tuple[str, Any, list[int | None]]] = []
+    places: list[tuple[str, Any, Any]] = []  # (name, structure or None for a tensor, index)
     for name, value in zip(names, nodes or (), strict=False):
+        if isinstance(value, Tensor):  # most nodes: no structure to take apart
+            places.append((name, None, len(wrt) if value.requires_grad else None))
+            if value.requires_grad:
+                wrt.append(value)
+            continue
         leaves, tree = pytree.tree_flatten(value)
         index: list[int | None] = []
         for t in leaves:
@@ -524,6 +562,9 @@ def routed(
     param_credit = {n: g for n, g in zip(params, got, strict=False) if g is not None}
     node_credit: dict[str, Any] = {}
     for name, tree, index in places:
+        if tree is None:
+            node_credit[name] = None if index is None else got[index]
+            continue
         parts = [None if i is None else got[i] for i in index]
         node_credit[name] = None if all(p is None for p in parts) else pytree.tree_unflatten(parts, tree)
     return node_credit, param_credit

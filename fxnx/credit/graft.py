@@ -10,12 +10,15 @@ left to say is, per node, how its credit goes back to its inputs:
   backward, at autograd's cost.
 - **an edge removed from** ``G`` becomes a ``detach`` of that argument: its
   value flows forward, no credit flows back.
-- **weight transport** (feedback alignment, sign symmetry) on linear layers and
-  convolutions runs the layer as it is, but while it runs every tensor that the
-  layer's backward saves from its weight ``W`` is swapped for the same view of
-  the feedback weight ``B`` (a ``saved_tensors_hooks`` pair). Autograd's own
-  backward then sends ``credit·B`` to the input and the exact credit to ``W``
-  and the bias, with no Python in the backward pass.
+- **weight transport** (feedback alignment, sign symmetry) on linear layers,
+  convolutions, attention and transformer layers runs the layer as it is, but
+  while it runs every tensor that the layer's backward saves from a weight ``W``
+  is swapped for the same view of the feedback weight ``B`` (a
+  ``saved_tensors_hooks`` pair). Autograd's own backward then sends ``credit·B``
+  to the input and the exact credit to ``W`` and the bias (dropout inside the
+  layer replays its own mask). Fixed ``B`` costs no Python in the backward pass;
+  sign symmetry's ``sign(W)·M`` is made there, one layer at a time, and dropped
+  after it.
 - **direct feedback alignment** runs the layer on its inputs detached (its
   parameters get exact credit), and one autograd function at the model's output
   sends each such input ``e·B``, ``e`` the credit at the output.
@@ -48,23 +51,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._callinfo import fetch_attr
-from .._compat import pytree
+from .._compat import pytree, version
 from ..capturing.shapes import node_failure
 from ..errors import FxnxTypeError, FxnxValueError
 from .faithful import Probe, differs
 from .feedback import check_bytes, readable
 from .plan import Entry, Plan
-from .record import Credit, NodeCall, call_target, fresh_leaf, run_node, runs_out_of_place
-from .rules import DirectFeedbackAlignment, Exact, RoutingState, Transport
-from .transport import feedback_weights
+from .record import Credit, NodeCall, fresh_leaf, run_node, runs_out_of_place
+from .rules import DirectFeedbackAlignment, Exact, RoutingState, SignSymmetry, Transport
+from .transport import CONTAINERS, feedback_weights
 
 __all__ = ["Graft", "graft"]
 
 _aten = torch.ops.aten
 
-#: Node kinds whose backward reads their weight only to send credit to their other inputs,
-#: so that swapping the saved weight for ``B`` is exactly weight transport.
-_NATIVE_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Node kinds whose backward reads their weights only to send credit to their other inputs,
+#: so that swapping each saved weight for ``B`` is exactly weight transport: linear layers,
+#: convolutions, and attention and transformer layers, whose weights enter only through
+#: ``F.linear`` (with gradients on, torch runs their Python path, never a fused kernel).
+_NATIVE_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, *CONTAINERS)
 _NATIVE_FUNCTIONS = frozenset({
     F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
     F.conv_transpose3d, torch.addmm, torch.mm, torch.matmul, operator.matmul,
@@ -88,6 +93,9 @@ class Graft:
     #: The probe run of the captured graph that made this graft: the first run, on the same
     #: inputs, must give its output (checked once, then dropped).
     expect: Probe | None = dataclasses.field(default=None, repr=False)
+    #: Every node routed exactly, every edge in ``G``, no value collected: routing is
+    #: autograd's own, and the router runs the model's own forward (:class:`CreditRouter`).
+    plain: bool = False
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[Any, Any, Any]:
         """Run the graph: (the model's result, the graph's output, node values or None)."""
@@ -255,7 +263,7 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             out = args[0]
             if taps or any(tier(e) == "function" for e in plan.entries):
                 out = graph.call_function(
-                    _tap, (constant("tap", [(entry, k) for entry, k, _ in taps]), routing_state(), out, *(v for *_, v in taps))
+                    _tap, (constant("tap", _TapSpec([(entry, k) for entry, k, _ in taps])), routing_state(), out, *(v for *_, v in taps))
                 )
             graph.output((out, tuple(collected)) if collect else out)
             continue
@@ -280,7 +288,8 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
         collect_value(node.name, value)
         env[node] = value
     module = fx.GraphModule(root, graph, class_name="Routed")
-    return Graft(module, plan, collect, names, starred, origin)
+    plain = not collect and all(tier(e) == "exact" and not e.cut for e in plan.entries)
+    return Graft(module, plan, collect, names, starred, origin, plain=plain)
 
 
 def _check_seen_write(entry: Entry, kind: str, cut: set[int], probe: Probe) -> None:
@@ -400,40 +409,64 @@ def _out_of_place(entry: Entry, *values: Any) -> Any:
 
 
 class _NativeSpec:
-    """A weight-transport node run natively: its weights, and a ``saved_tensors_hooks`` pair
-    kept across calls whose pack function swaps each view of a weight ``W`` for the same view
-    of this call's ``B`` (the unpack function is ``operator.itemgetter(0)``, in C)."""
+    """A weight-transport node run natively, made once per node: what it calls, its weights,
+    and a ``saved_tensors_hooks`` pair kept across calls whose pack function swaps each view
+    of a weight ``W`` that the layer saves for the same view of ``B``.
+
+    Fixed feedback (feedback alignment, Kolen–Pollack, weight mirrors) is swapped in as it
+    is, each view made once; the unpack function is ``operator.itemgetter(0)``, in C.
+    Sign symmetry's ``B = sign(W)·M`` is made in the backward pass, when the layer's backward
+    unpacks it, and dropped once the layer's backward is done (:class:`_SignOf`): no copy of
+    the weights lives from the forward pass to the backward pass.
+    """
 
     def __init__(self, entry: Entry) -> None:
-        self.entry = entry
-        self.weights = feedback_weights(entry.call)  # parameter name to W
+        call = entry.call
+        self.entry, self.call, self.rule = entry, call, entry.rule
+        self.fn = call.module if call.module is not None else call.target
+        self.weights = feedback_weights(call)  # parameter name to W
         self.device = next(iter(self.weights.values())).device.type
-        self.spans: list[tuple[int, int, Tensor, Tensor, Tensor]] = []  # start, end, W, B, B given
+        #: sign symmetry of its own kind: B made lazily from sign(W) and the magnitudes
+        self.signs = isinstance(self.rule, SignSymmetry) and type(self.rule).feedback_for is SignSymmetry.feedback_for
+        self.spans: list[tuple[int, int, Tensor, Any, Any]] = []  # start, end, W, B or M, given
         self.views: dict[tuple[Any, ...], Tensor] = {}
         self.hits = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _FIRST)
+        unpack = _unpack if self.signs else _FIRST
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
 
-    def use(self, feedback: dict[str, Tensor]) -> None:
-        """Take this call's ``B`` for each weight (laid out like ``W``)."""
+    def use(self) -> None:
+        """Take this call's feedback: ``B`` for each weight (laid out like ``W``), or for sign
+        symmetry the magnitudes ``M`` (drawn afresh at each call for brSF)."""
+        if self.signs:
+            magnitudes = self.rule.magnitudes(self.call)
+            self.spans = [
+                (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, magnitudes[name], None)
+                for name, W in self.weights.items()
+            ]
+            return
+        feedback = self.rule.feedback_for(self.call)
+        old = self.spans
+        if old and all(span[4] is feedback[name] and span[2].data_ptr() == span[0]
+                       for span, name in zip(old, self.weights, strict=True)):
+            return  # the same B (feedback alignment): its views are kept
         spans = []
-        for (name, W), old in zip(self.weights.items(), self.spans or [None] * len(self.weights), strict=True):
+        for name, W in self.weights.items():
             given = feedback[name]
-            if old is not None and old[4] is given and old[2].data_ptr() == old[0]:
-                spans.append(old)  # the same B (feedback alignment): its views are kept
-                continue
             B = given.detach()
             if B.stride() != W.stride() or B.dtype != W.dtype or B.device != W.device:
                 B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device).copy_(B)
             start = W.data_ptr()
             spans.append((start, start + W.numel() * W.element_size(), W, B, given))
-            self.views = {}
+        self.views = {}
         self.spans = spans
 
-    def pack(self, t: Tensor) -> tuple[Tensor]:
+    def pack(self, t: Tensor) -> Any:
         ptr = t.data_ptr()
         for start, end, W, B, _ in self.spans:
             if start <= ptr < end and t.dtype == W.dtype:
                 self.hits += 1
+                if self.signs:
+                    return _SignOf(W, B, t)
                 key = (id(B), ptr, t.size(), t.stride())
                 view = self.views.get(key)
                 if view is None:
@@ -446,22 +479,53 @@ class _NativeSpec:
 _FIRST = operator.itemgetter(0)
 
 
+class _SignOf:
+    """A view of ``W`` saved by a layer under sign symmetry: on unpacking, the same view of
+    ``sign(W)·M`` (``W`` as it was when saved: a write into it since is refused, as autograd
+    refuses one into a tensor it saved)."""
+
+    __slots__ = ("W", "M", "version", "size", "stride", "offset", "B")
+
+    def __init__(self, W: Tensor, M: Any, t: Tensor) -> None:
+        self.W, self.M, self.version = W, M, version(W)
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset() - W.storage_offset()
+        self.B: Tensor | None = None
+
+    def unpack(self) -> Tensor:
+        if self.B is None:
+            W = self.W
+            if version(W) != self.version:
+                raise FxnxValueError(
+                    "a weight routed by sign symmetry was written in place (an optimizer step?) "
+                    "between the forward pass and its backward pass, which reads sign(W) as the "
+                    "forward pass saw it: call backward before changing the weights"
+                )
+            B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device)
+            torch.sign(W.detach(), out=B).mul_(self.M)
+            self.B = B.as_strided(self.size, self.stride, B.storage_offset() + self.offset)
+        return self.B
+
+
+def _unpack(packed: Any) -> Tensor:
+    return packed[0] if type(packed) is tuple else packed.unpack()
+
+
 def _native_call(spec: _NativeSpec, *args: Any, **kwargs: Any) -> Any:
-    entry = spec.entry
-    call = entry.call
     if not torch.is_grad_enabled():  # nothing is saved: the layer as it is
-        return call_target(call.op, call.target, call.module, args, kwargs)
+        return spec.fn(*args, **kwargs)
     if torch.is_autocast_enabled(spec.device):
         # The layer would save a cast copy of W, not W: route it through its rule instead.
+        entry = spec.entry
         return _function_call(_FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
-    spec.use(entry.rule.feedback_for(call))
+    spec.use()
     hits = spec.hits
     with spec.hooks:
-        out = call_target(call.op, call.target, call.module, args, kwargs)
-    if spec.hits == hits and _needs_input_credit(args, kwargs, call):
+        out = spec.fn(*args, **kwargs)
+    if spec.hits == hits and _needs_input_credit(args, kwargs, spec.call):
+        call = spec.call
         raise FxnxValueError(
             f"node {call.name!r}: its backward did not read its weight where feedback weights "
-            f"were to replace it, so {entry.rule_name} cannot be applied natively; route it "
+            f"were to replace it, so {spec.entry.rule_name} cannot be applied natively; route it "
             f"with rules={{{call.name!r}: fxnx.Exact()}} or report this model"
         )
     return out
@@ -646,7 +710,28 @@ def _like(g: Any, x: Any, what: str) -> Tensor | None:
 # state; it sends each projected input of a direct-feedback node e·B.
 
 
-def _tap(spec: list[tuple[Entry, int]], state: RoutingState, out: Any, *projected: Any) -> Any:
+class _TapSpec:
+    """The direct-feedback inputs a tap projects onto, ``(entry, occurrence)`` each, and what
+    it keeps across calls: the input shapes last checked, and each input's sender (see
+    :meth:`DirectFeedbackAlignment.sender`) with the key it is valid for."""
+
+    def __init__(self, pairs: list[tuple[Entry, int]]) -> None:
+        self.pairs = pairs
+        self.checked: Any = None
+        self.drawn = not pairs
+        self.senders: list[tuple[Any, Any]] = [(None, None)] * len(pairs)
+
+    def send(self, j: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        key = (e.shape[1], e.dtype, shape, dtype)
+        known, sender = self.senders[j]
+        if known != key:
+            entry, k = self.pairs[j]
+            sender = entry.rule.sender(entry.call, k, e, shape, dtype)
+            self.senders[j] = (key, sender)
+        return sender(e)
+
+
+def _tap(spec: _TapSpec, state: RoutingState, out: Any, *projected: Any) -> Any:
     leaves, tree = pytree.tree_flatten(out)
     slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
     if not slots:
@@ -659,22 +744,29 @@ def _tap(spec: list[tuple[Entry, int]], state: RoutingState, out: Any, *projecte
 
 class _Tap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, spec: list[tuple[Entry, int]], state: RoutingState, where: Any, *tensors: Any) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, spec: _TapSpec, state: RoutingState, where: Any, *tensors: Any) -> Any:  # type: ignore[override]
         leaves, tree, slots = where
         outs, projected = tensors[:len(slots)], tensors[len(slots):]
+        shapes = [x.shape if isinstance(x, Tensor) else None for x in projected]
         batch = {t.shape[0] if t.dim() else None for t in outs}
-        for (entry, k), x in zip(spec, projected, strict=True):
-            if isinstance(x, Tensor) and x.requires_grad and (x.dim() == 0 or batch != {x.shape[0]}):
-                raise FxnxValueError(
-                    f"direct feedback alignment at node {entry.call.name!r}: its input {k} has "
-                    f"shape {tuple(x.shape)}, whose first dimension is not the output's batch size "
-                    f"({', '.join(map(str, sorted(b for b in batch if b is not None))) or 'none'}); "
-                    f"route this node another way, e.g. rules={{{entry.call.name!r}: Exact()}}"
-                )
-        if any(not entry.rule.drawn(k) for entry, k in spec):  # before the first draws only
-            _check_feedback_bytes(spec, outs, projected)
+        wanted = [isinstance(x, Tensor) and x.requires_grad for x in projected]
+        if spec.checked != (batch, shapes, wanted):  # checked once per shape
+            for (entry, k), x, want in zip(spec.pairs, projected, wanted, strict=True):
+                if want and (x.dim() == 0 or batch != {x.shape[0]}):
+                    raise FxnxValueError(
+                        f"direct feedback alignment at node {entry.call.name!r}: its input {k} has "
+                        f"shape {tuple(x.shape)}, whose first dimension is not the output's batch size "
+                        f"({', '.join(map(str, sorted(b for b in batch if b is not None))) or 'none'}); "
+                        f"route this node another way, e.g. rules={{{entry.call.name!r}: Exact()}}"
+                    )
+            if not spec.drawn:
+                if any(not entry.rule.drawn(k) for entry, k in spec.pairs):  # before the first draws only
+                    _check_feedback_bytes(spec.pairs, outs, projected)
+                else:
+                    spec.drawn = True
+            spec.checked = (batch, shapes, wanted)
         ctx.spec, ctx.state, ctx.where = spec, state, (leaves, tree, slots)
-        ctx.shapes = [x.shape if isinstance(x, Tensor) else None for x in projected]
+        ctx.shapes = shapes
         ctx.dtypes = [x.dtype if isinstance(x, Tensor) else None for x in projected]
         return outs if len(outs) != 1 else outs[0]
 
@@ -686,13 +778,12 @@ class _Tap(torch.autograd.Function):
             credit[i] = g
         ctx.state.output_credit = pytree.tree_unflatten(credit, tree)
         sent: list[Tensor | None] = []
-        if ctx.spec:
+        spec = ctx.spec
+        if spec.pairs:
             e = torch.cat([g.reshape(g.shape[0], -1) for g in grads], 1)
-            for (entry, k), shape, dtype, needed in zip(ctx.spec, ctx.shapes, ctx.dtypes, ctx.needs_input_grad[3 + len(slots):], strict=True):
-                if not needed:
-                    sent.append(None)
-                    continue
-                sent.append(entry.rule.sent(entry.call, k, e, shape, dtype))
+            needs = ctx.needs_input_grad[3 + len(slots):]
+            for j, (shape, dtype, needed) in enumerate(zip(ctx.shapes, ctx.dtypes, needs, strict=True)):
+                sent.append(spec.send(j, e, shape, dtype) if needed else None)
         return (None, None, None, *grads, *sent)
 
 

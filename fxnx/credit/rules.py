@@ -355,6 +355,15 @@ class SignSymmetry(_Drawn, Transport):
         return bound
 
     def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
+        magnitudes = self.magnitudes(call)
+        return {p: W.detach().sign().mul_(magnitudes[p]) for p, W in feedback_weights(call).items()}
+
+    def magnitudes(self, call: NodeCall) -> dict[str, Tensor | float]:
+        """``M`` for each weight, for one backward pass: brSF draws afresh at each call.
+
+        The router makes ``sign(W)·M`` from them only in the backward pass, as each layer's
+        backward needs it (so no ``B`` is kept from the forward pass to the backward pass).
+        """
         if self.magnitude == "batch_random":
             self._draws += 1
             self._magnitudes = self._pending or {
@@ -363,7 +372,7 @@ class SignSymmetry(_Drawn, Transport):
             }
             self._pending = None
             self.feedback = _public(self._magnitudes)
-        return self.feedback_now(call)
+        return self._magnitudes
 
     def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
         if self._magnitudes is None:  # brSF before its first draw
@@ -478,11 +487,22 @@ class DirectFeedbackAlignment(_Drawn):
 
     def sent(self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         """The credit input ``i`` (of ``shape``) gets for output credit ``e`` of shape ``(N, D)``."""
+        return self.sender(call, i, e, shape, dtype)(e)
+
+    def sender(
+        self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype
+    ) -> Callable[[Tensor], Tensor]:
+        """What :meth:`sent` computes, as a function of ``e`` alone: valid for every output
+        credit of ``e``'s dtype and width, and inputs of ``shape`` and ``dtype`` (``B``,
+        drawn here on first use, never changes)."""
         B = self.projection(call, i, e, shape, dtype)
-        e = e.to(B.dtype)
         if self._spatial(i):
-            return self._geometry.credit(e, B, shape).to(dtype)
-        return (e @ B.reshape(e.shape[1], -1)).reshape(shape).to(dtype)
+            geometry = self._geometry
+            return lambda e: geometry.credit(e.to(B.dtype), B, shape).to(dtype)
+        matrix = B.reshape(e.shape[1], -1)
+        if B.dtype == e.dtype == dtype:
+            return lambda e: (e @ matrix).reshape(shape)
+        return lambda e: (e.to(B.dtype) @ matrix).reshape(shape).to(dtype)
 
     def projection(self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         """``B`` for input ``i`` of ``call``'s node (see :meth:`feedback_shape`), for output
