@@ -62,3 +62,29 @@ def test_the_exact_rule_trains_as_autograd_does(model):
         losses.append(loss.item())
     assert run.losses == losses
     assert losses[-1] < losses[0]
+
+
+def test_learned_feedback_learns_after_the_optimizer_step(monkeypatch):
+    """Weight mirrors mirror the W that the next step runs with: update_feedback follows
+    opt.step, as in Akrout et al.'s code and BioTorch's (called between the backward pass and
+    the step, B lagged W by one step, and one seed of the digits CNN diverged)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import fxnx
+
+    script = _load()
+    calls = []
+    update = fxnx.CreditRouter.update_feedback
+
+    def recorded(self, *args, **kwargs):
+        calls.append("update_feedback")
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(fxnx.CreditRouter, "update_feedback", recorded)
+    handle = register_optimizer_step_post_hook(lambda *_: calls.append("step"))
+    try:
+        settings = script.Settings(steps=3, lr=0.02, weight_decay=1e-3, batch=8, probe_every=10)
+        script.train(script.digits_task(), "mlp", "weight_mirror", seed=0, settings=settings)
+    finally:
+        handle.remove()
+    assert calls == ["step", "update_feedback"] * 3
