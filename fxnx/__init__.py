@@ -58,7 +58,7 @@ from .memory import MemoryProfile, memory_profile
 from .paths import path_length_counts, path_length_credit
 from .plot import plot_alignment, plot_census, plot_credit_by_depth
 from .receptive import ReceptiveField, receptive_fields
-from .render import GraphvizNotFoundError, draw, to_pydot
+from .render import Drawing, GraphvizNotFoundError, draw, to_pydot
 
 if TYPE_CHECKING:
     from .capturing import FIXED_KWARGS, TRACING_LOCK, Capture, CaptureOptions, capture
@@ -92,6 +92,7 @@ __all__ = [
     "CreditResult",
     "CreditRouter",
     "DirectFeedbackAlignment",
+    "Drawing",
     "EDGE_ATTRIBUTES",
     "Exact",
     "FIXED_KWARGS",

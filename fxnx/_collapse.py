@@ -50,10 +50,20 @@ def collapse(
 ) -> nx.MultiDiGraph:
     """Replace every module nested deeper than ``depth`` by one node for its ancestor at ``depth``.
 
-    A module whose calls would close a cycle once merged (one module called at
-    several places) is left expanded. ``order`` is ``G``'s topological order if
-    already known; without ``skips`` the view's skip connections are not marked
-    (enough to predict its layout).
+    The collapsed node of a module is named by its path (``layer1``); a node of
+    ``G`` that is drawn as itself but has that name too (a function
+    ``blk`` called beside a module ``blk``) is renamed ``"blk (node)"`` in the
+    view, never merged with the module. A module whose calls would close a
+    cycle once merged (one module called at several places) is left expanded.
+    ``order`` is ``G``'s topological order if already known; without ``skips``
+    the view's skip connections are not marked (enough to predict its layout).
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph([("x", "blk"), ("blk", "blk_0"), ("blk_0", "output")])
+    >>> nx.set_node_attributes(G, {"x": "", "blk": "", "blk_0": "blk", "output": ""}, "scope")
+    >>> list(collapse(G, 1))
+    ['x', 'blk (node)', 'blk', 'output']
     """
     group = _groups(G, depth)
     order = order if order is not None else topological_order(G)
@@ -62,7 +72,7 @@ def collapse(
     # would lie among nodes of G alone, which has none, so one pass is enough.
     cyclic = {n for part in nx.strongly_connected_components(H) if len(part) > 1 for n in part}
     if cyclic:
-        group.update({n: n for n, g in group.items() if g in cyclic})
+        group = {n: key for n, key in group.items() if key not in cyclic}
         H = _grouped(G, group, order)
     if skips:
         skip_connections(H)  # the skip connections still visible once modules are collapsed
@@ -84,14 +94,16 @@ def collapsed_size(G: nx.MultiDiGraph, depth: int) -> int:
     (3, 3)
     """
     group = _groups(G, depth)
-    return len(set(group.values()) - set(folded_parameters(G, group)))
+    kept = G.number_of_nodes() - len(group)
+    return len(set(group.values())) + kept - len(folded_parameters(G, group))
 
 
 def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:
-    """Each node's node in the view at ``depth``: its ancestor module at ``depth``, or itself."""
+    """The nodes that a module collapsed at ``depth`` takes in, each to that module's node (its
+    path at ``depth``); the nodes drawn as themselves are not in it."""
     if depth < 1:
         raise FxnxValueError(f"depth must be 1 or more, got {depth}")
-    group: dict[str, str] = {}
+    group: dict[Any, str] = {}
     owners = {  # a parameter or buffer belongs to the module that owns it
         node: module_path(primal["name"].rpartition(".")[0])
         for node, primal in G.graph.get("primals", {}).items() if primal["kind"] != "input"
@@ -106,18 +118,37 @@ def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:
         leaf_call = data.get("op") == "call_module" and len(parts) == depth
         # In a joint graph a module's backward ops form a node of their own.
         suffix = BACKWARD_SUFFIX if data.get("phase") == "backward" else ""
-        keep = len(parts) >= depth and not leaf_call
-        group[node] = ".".join(parts[:depth]) + suffix if keep else node
+        if len(parts) >= depth and not leaf_call:
+            group[node] = ".".join(parts[:depth]) + suffix
     return group
 
 
-def _grouped(G: nx.MultiDiGraph, group: dict[str, str], order: list[Any]) -> nx.MultiDiGraph:
+def _names(G: nx.MultiDiGraph, group: dict[Any, str]) -> dict[Any, Any]:
+    """Each node's name in the view: its module's for a node ``group`` takes in, else its own,
+    renamed (``"blk (node)"``) where a collapsed module has that name."""
+    taken = set(group.values())
+    names: dict[Any, Any] = {}
+    for node in G:
+        if node in group:
+            names[node] = group[node]
+            continue
+        name = node
+        while name in taken:
+            name = f"{name} (node)"
+        if name != node:
+            taken.add(name)
+        names[node] = name
+    return names
+
+
+def _grouped(G: nx.MultiDiGraph, group: dict[Any, str], order: list[Any]) -> nx.MultiDiGraph:
     modules = G.graph.get("modules", {})
+    names = _names(G, group)
     H = nx.MultiDiGraph(**{k: v for k, v in G.graph.items() if k != "skip_connections"})
     for node in order:
-        key, data = group[node], G.nodes[node]
-        if key == node:
-            H.add_node(node, **_without_roles(data))
+        key, data = names[node], G.nodes[node]
+        if node not in group:
+            H.add_node(key, **_without_roles(data))
             continue
         if key not in H:
             path = key.removesuffix(BACKWARD_SUFFIX)
@@ -128,10 +159,10 @@ def _grouped(G: nx.MultiDiGraph, group: dict[str, str], order: list[Any]) -> nx.
         for attr in ("credit_norm", "out_shape"):  # the value at the module's output
             if data.get(attr) is not None:
                 H.nodes[key][attr] = data[attr]
-    bundles: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    bundles: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
     for u, v, data in G.edges(data=True):
-        if group[u] != group[v]:
-            bundles.setdefault((group[u], group[v]), []).append(data)
+        if names[u] != names[v]:
+            bundles.setdefault((names[u], names[v]), []).append(data)
     for (gu, gv), edges in bundles.items():
         # One edge per pair of nodes; several distinct tensors become one edge that counts them.
         distinct = {str(d.get("shape")) for d in edges}

@@ -50,8 +50,10 @@ def fold_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
 
 def folded_parameters(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -> dict[Any, Any]:
     """Each ``get_attr`` node that one node alone reads, to that node: what
-    :func:`fold_parameters` lists. ``group`` maps ``G`` onto the view drawn, whose nodes read
-    them (by default each node is its own).
+    :func:`fold_parameters` lists. ``group`` maps the nodes of ``G`` that a collapsed module
+    takes in to that module's node in the view drawn (:func:`fxnx._collapse.collapse`); a
+    parameter it takes in is no node of its own, and one that a module's nodes alone read is
+    listed on the module (by default every node is drawn as itself).
 
     Examples
     --------
@@ -60,13 +62,18 @@ def folded_parameters(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -
     >>> folded_parameters(G)  # read twice by one node: listed; returned: kept
     {'w': 'norm'}
     """
-    view = group or {}
+    group = group or {}
     folded = {}
     for node, op in G.nodes(data="op"):
-        if op == "get_attr" and view.get(node, node) == node:
-            readers = {view.get(v, v) for v in G.successors(node)}
-            reader = readers.pop() if len(readers) == 1 else None
-            returned = reader in G and G.nodes[reader].get("op") == "output"
-            if reader is not None and not returned:  # (a collapsed module is no node of G)
+        if op == "get_attr" and node not in group:
+            # A module's node and a node of G drawn as itself are told apart even where they
+            # share a name (the view renames the node).
+            readers = {("module", group[v]) if v in group else ("node", v)
+                       for v in G.successors(node)}
+            if len(readers) != 1:
+                continue
+            ((kind, reader),) = readers
+            returned = kind == "node" and G.nodes[reader].get("op") == "output"
+            if not returned:
                 folded[node] = reader
     return folded

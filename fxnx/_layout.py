@@ -16,22 +16,27 @@ from typing import Any
 import networkx as nx
 
 from ._collapse import module_path
-from ._style import LABEL_CHARS
+from ._style import edge_label
 
 __all__ = ["Estimate", "area_floor", "beside_consumers", "bounded_options", "estimate"]
 
 #: Points (1/72 inch) per character of a node's bold 12-point name, and of its 10-point kind.
 NAME_CHAR, KIND_CHAR = 7.4, 5.6
-#: Points per character of an edge's 10-point shape label, placed beside the edge.
-LABEL_CHAR = 5.6
+#: Points per character of an edge's 10-point shape label, and of a module box's 11-point label.
+LABEL_CHAR, BOX_CHAR = 5.6, 6.2
 #: Points a node adds beyond its text (margins and border), and a virtual node's width.
 NODE_PAD, VIRTUAL = 16.0, 10.0
 #: Points between neighbours in a rank (nodesep) and from rank to rank (height plus ranksep).
 NODESEP, RANK_STEP = 18.0, 56.0
 #: Points each line beyond a node's name and kind adds to its height (10-point text).
 LINE = 12.0
-#: Points a module's box adds across: its margins on either side and its border.
-CLUSTER_PAD = 18.0
+#: Points a module's box adds across: its margins on either side and its border, and left to
+#: right, where its label sits across the ranks too, the label's line.
+CLUSTER_PAD, CLUSTER_PAD_LR = 18.0, 32.0
+#: Points of a node's height with a name and a kind (two lines), and between ranks (ranksep).
+NODE_HEIGHT, RANKSEP = 28.0, 21.6
+#: Points of an edge label's line (10-point text), laid out left to right as a node of its own.
+LABEL_LINE = 12.0
 #: Past this many nodes plus virtual nodes, dot's network simplex and crossing reduction are
 #: held to a few passes (see bounded_options): the layout then takes seconds, not minutes.
 BOUNDED_WORK = 6000
@@ -62,6 +67,9 @@ def estimate(
     *,
     clusters: bool = True,
     label_height: Callable[[Any, dict[str, Any]], float] | None = None,
+    rankdir: str = "TB",
+    title: float = 0.0,
+    box_width: Callable[[str], float] | None = None,
 ) -> Estimate:
     """Predict the size of ``G``'s dot layout and the work it takes.
 
@@ -69,10 +77,19 @@ def estimate(
     no input feeds just above its first consumer, or on its rank for
     parameters (:func:`beside_consumers`), as drawn. ``label_width(node,
     data)`` gives a node's width in points, and ``label_height(node, data)``
-    what its label adds to its rank's height (nothing by default). With
+    what its label adds to its height (nothing by default). With
     ``clusters``, each module's box (from the nodes' ``scope``) is a rectangle
     over the ranks it spans, as in dot: boxes whose ranks overlap sit side by
     side.
+
+    Top to bottom (``rankdir="TB"``), an edge's shape label sits beside it
+    (:func:`fxnx._style.edge_label`), widening its tail's rank. Left to right
+    (``"LR"``), the labels are dot's own edge labels, which dot lays out as
+    nodes of ranks between the nodes' ranks, so they never cover a node:
+    each such rank is as long as its longest label, and a rank of nodes as
+    long as its widest node. ``title`` is the height of the drawing's own
+    label (the legend), above it, and ``box_width(path)`` the width of a
+    module box's label: top to bottom, a box is at least that wide.
 
     Examples
     --------
@@ -91,34 +108,105 @@ def estimate(
         if node in unfed:
             rank[node] = min(rank[v] for v in G.successors(node)) - (G.in_degree(node) > 0)
     low = min(rank.values(), default=0)
-    ranks = max(rank.values(), default=0) - low + 1
+    rank = {node: r - low for node, r in rank.items()}
+    ranks = max(rank.values(), default=-1) + 1
     width = {node: label_width(node, data) for node, data in G.nodes(data=True)}
+    extra = {node: label_height(node, data) if label_height else 0.0
+             for node, data in G.nodes(data=True)}
+    if rankdir == "TB":
+        return _top_to_bottom(G, rank, ranks, width, extra, clusters, title, box_width)
+    return _left_to_right(G, rank, ranks, width, extra, clusters, title)
+
+
+def _crossing(rank: dict[Any, int], span: int, u: Any, v: Any, counts: list[int]) -> None:
+    """Count, in the difference array ``counts``, an edge's virtual node on each rank it
+    crosses."""
+    first = min(rank[u], rank[v]) + 1
+    counts[first] += 1
+    counts[first + span - 1] -= 1
+
+
+def _top_to_bottom(G: nx.MultiDiGraph, rank: dict[Any, int], ranks: int,
+                   width: dict[Any, float], extra: dict[Any, float], clusters: bool,
+                   title: float, box_width: Callable[[str], float] | None) -> Estimate:
+    """Top to bottom: a rank is as wide as its nodes, each widened by the shape labels set
+    beside its out-edges, its boxes and the long edges crossing it."""
+    size = dict(width)
     crossing = [0] * (ranks + 1)  # virtual nodes per rank, as a difference array
     virtual = 0
-    for u, v, shape in G.edges(data="shape"):
-        if isinstance(shape, (tuple, list)):  # the shape label sits beside the edge, by its tail
-            width[u] += (min(3 * len(shape), LABEL_CHARS) + 2) * LABEL_CHAR  # (a long one is cut)
+    for u, v, data in G.edges(data=True):
+        label = edge_label(data)
+        if label is not None:  # beside the edge, by its tail
+            size[u] += len(label) * LABEL_CHAR
         span = abs(rank[v] - rank[u])
         if span > 1:
             virtual += span - 1
-            first = min(rank[u], rank[v]) - low + 1
-            crossing[first] += 1
-            crossing[first + span - 1] -= 1
-    scopes = {node: module_path(str(data.get("scope") or "")) if clusters else ""
-              for node, data in G.nodes(data=True)}
-    right = _packed(scopes, {n: r - low for n, r in rank.items()}, width)
+            _crossing(rank, span, u, v, crossing)
+    right = _packed(_scopes(G, clusters), rank, size, CLUSTER_PAD, box_width)
     running, across = 0, 0.0
     for r in range(ranks):
         running += crossing[r]
         across = max(across, right.get(r, 0.0) + running * (VIRTUAL + NODESEP))
     taller: dict[int, float] = {}  # the tallest label's extra height, per rank
-    for node, data in G.nodes(data=True) if label_height else ():
-        extra = label_height(node, data)
-        if extra > taller.get(rank[node], 0.0):
-            taller[rank[node]] = extra
-    along = ranks * RANK_STEP + sum(taller.values())
-    return Estimate(across=across, along=along, nodes=G.number_of_nodes(),
+    for node in G:
+        if extra[node] > taller.get(rank[node], 0.0):
+            taller[rank[node]] = extra[node]
+    along = ranks * RANK_STEP + sum(taller.values()) + title
+    return Estimate(across=across, along=along, nodes=G.number_of_nodes(), virtual=virtual)
+
+
+def _left_to_right(G: nx.MultiDiGraph, rank: dict[Any, int], ranks: int,
+                   width: dict[Any, float], extra: dict[Any, float], clusters: bool,
+                   title: float) -> Estimate:
+    """Left to right: nodes stack down a rank by their heights. An edge's label is a node of
+    dot's own on a rank between two ranks of nodes (dot doubles the ranks of a graph with edge
+    labels), midway along the edge: such a rank is as long as its longest label, and as tall
+    as its labels and the long edges crossing it."""
+    size = {node: NODE_HEIGHT + extra[node] for node in G}
+    crossing = [0] * (ranks + 1)  # virtual nodes per rank of nodes, as a difference array
+    passing = [0] * (ranks + 1)  # edges per rank between (r to r + 1), as a difference array
+    longest_label, labels = [0.0] * ranks, [0] * ranks
+    virtual = 0
+    for u, v, data in G.edges(data=True):
+        span = abs(rank[v] - rank[u])
+        if span == 0:
+            continue
+        low = min(rank[u], rank[v])
+        passing[low] += 1
+        passing[low + span] -= 1
+        label = edge_label(data)
+        if label is not None:
+            middle = low + (span - 1) // 2
+            longest_label[middle] = max(longest_label[middle], len(label) * LABEL_CHAR)
+            labels[middle] += 1
+        if span > 1:
+            virtual += span - 1
+            _crossing(rank, span, u, v, crossing)
+    labelled = any(labels)
+    right = _packed(_scopes(G, clusters), rank, size, CLUSTER_PAD_LR)
+    running, between, across = 0, 0, 0.0
+    for r in range(ranks):
+        running += crossing[r]
+        between += passing[r]
+        across = max(across, right.get(r, 0.0) + running * (VIRTUAL + NODESEP))
+        if labelled:  # the rank of labels after it: labels, and virtual nodes for the rest
+            across = max(across, labels[r] * (LABEL_LINE + NODESEP)
+                         + (between - labels[r]) * (VIRTUAL + NODESEP))
+    if labelled:  # doubled, an edge over s ranks of nodes has 2s - 1 nodes of dot's own
+        virtual = sum(2 * abs(rank[v] - rank[u]) - 1 for u, v in G.edges() if rank[u] != rank[v])
+    widest: dict[int, float] = {}  # the widest node, per rank
+    for node in G:
+        widest[rank[node]] = max(widest.get(rank[node], 0.0), width[node])
+    steps = (ranks - 1) * (2 if labelled else 1)  # dot doubles the ranks of a labelled graph
+    along = sum(widest.values()) + sum(longest_label) + steps * RANKSEP
+    return Estimate(across=across + title, along=along, nodes=G.number_of_nodes(),
                     virtual=virtual)
+
+
+def _scopes(G: nx.MultiDiGraph, clusters: bool) -> dict[Any, str]:
+    """Each node's module box, or none for any without ``clusters``."""
+    return {node: module_path(str(data.get("scope") or "")) if clusters else ""
+            for node, data in G.nodes(data=True)}
 
 
 def area_floor(widths: Iterable[float]) -> float:
@@ -170,13 +258,15 @@ def _unfed(G: nx.MultiDiGraph) -> set[Any]:
     return {node for node in G if node not in fed and G.out_degree(node) > 0}
 
 
-def _packed(scope: dict[Any, str], rank: dict[Any, int], width: dict[Any, float]) -> dict[int, float]:
+def _packed(scope: dict[Any, str], rank: dict[Any, int], width: dict[Any, float],
+            pad: float = 0.0, box_width: Callable[[str], float] | None = None) -> dict[int, float]:
     """The right edge, per rank, of the top level once every module box is packed.
 
     Within a box, its nodes and inner boxes are taken in order of their first
     rank, each put just right of whatever already occupies any of its ranks
     (a skyline); a box is then a rectangle as wide as its widest rank plus
-    its margins, over all its ranks.
+    its margins (``pad``), or as its label (``box_width``) if wider, over all
+    its ranks.
     """
     items: dict[str, list[tuple[int, int, float]]] = {}
     for node, path in scope.items():
@@ -198,7 +288,10 @@ def _packed(scope: dict[Any, str], rank: dict[Any, int], width: dict[Any, float]
             continue
         lo, hi = min(skyline), max(skyline)
         parent = path.rpartition(".")[0] if "." in path else ""
-        items[parent].append((lo, hi, max(skyline.values()) + CLUSTER_PAD))
+        inside = max(skyline.values())
+        if box_width is not None:
+            inside = max(inside, box_width(path))
+        items[parent].append((lo, hi, inside + pad))
     return {}
 
 

@@ -26,8 +26,9 @@ from .errors import FxnxValueError
 
 __all__ = [
     "BACKWARD", "BACKWARD_FILL", "FILLS", "FONT", "FORK", "MERGE", "OPAQUE", "PLAIN",
-    "RESIDUAL", "SKIP", "SKIP_STYLE", "Scale", "VIRIDIS", "clip", "cluster_label", "edge_style",
-    "kind", "label_height", "label_width", "legend", "node_id", "node_style", "quoted", "text",
+    "RESIDUAL", "SKIP", "SKIP_STYLE", "Scale", "VIRIDIS", "clip", "cluster_label", "cluster_title",
+    "cluster_width", "edge_label", "edge_style", "kind", "label_height", "label_width", "legend", "node_id", "node_style", "quoted",
+    "text",
 ]
 
 #: Okabe and Ito's colour-blind-safe colours: skip branches vermillion and dashed, residual
@@ -258,19 +259,45 @@ def node_style(
     return style
 
 
-def edge_style(data: dict[str, Any], *, beside: bool = False) -> dict[str, str]:
-    """DOT attributes of one edge: the tensor's shape, and colour and dashes by branch role.
+def edge_label(data: dict[str, Any]) -> str | None:
+    """The label of an edge: the tensor's shape (``" 2×4 "``), or how many tensors a collapsed
+    module's edge carries; None for neither. At most :data:`LABEL_CHARS` characters between
+    its two spaces.
 
-    With ``beside``, the edge may stay within a rank (``minlen=0``): its tail is
-    a parameter, drawn beside its consumer rather than above it.
+    Examples
+    --------
+    >>> edge_label({"shape": (1, 64, 56, 56)}), edge_label({"tensors": 3}), edge_label({})
+    (' 1×64×56×56 ', ' 3 tensors ', None)
     """
-    style = {"minlen": "0"} if beside else {}
     shape = data.get("shape")
     if isinstance(shape, (tuple, list)):  # (no more of a long one read than is shown)
         dims = "×".join(clip(d) for d in itertools.islice(shape, LABEL_CHARS // 2 + 1))
-        style["xlabel"] = quoted(" " + clip(dims) + " ")
-    elif data.get("tensors"):
-        style.update(xlabel=quoted(f" {clip(data['tensors'])} tensors "), penwidth="2")
+        return " " + clip(dims) + " "
+    if data.get("tensors"):
+        return f" {clip(data['tensors'])} tensors "
+    return None
+
+
+def edge_style(data: dict[str, Any], *, beside: bool = False, rankdir: str = "TB") -> dict[str, str]:
+    """DOT attributes of one edge: the tensor's shape, and colour and dashes by branch role.
+
+    With ``beside``, the edge may stay within a rank (``minlen=0``): its tail is
+    a parameter, drawn beside its consumer rather than above it. Top to bottom,
+    the shape is an ``xlabel``, set beside the edge after layout; left to right,
+    where the edges between ranks are short and such labels would cover the
+    nodes, it is the edge's ``label``, which dot makes room for.
+
+    Examples
+    --------
+    >>> edge_style({"shape": (2, 4)}), edge_style({"shape": (2, 4)}, rankdir="LR")
+    ({'xlabel': '" 2×4 "'}, {'label': '" 2×4 "'})
+    """
+    style = {"minlen": "0"} if beside else {}
+    label = edge_label(data)
+    if label is not None:
+        style["xlabel" if rankdir == "TB" else "label"] = quoted(label)
+    if data.get("tensors") and not isinstance(data.get("shape"), (tuple, list)):
+        style["penwidth"] = "2"
     role = data.get("branch_role")
     if role == "skip":
         style.update(color=SKIP, penwidth="2.5", style=SKIP_STYLE)
@@ -279,10 +306,29 @@ def edge_style(data: dict[str, Any], *, beside: bool = False) -> dict[str, str]:
     return style
 
 
-def cluster_label(scope: str, module_type: Any) -> str:
-    """The HTML-like label of a module's box: its path and class."""
+def cluster_title(scope: str, module_type: Any) -> str:
+    """The text of a module box's label: its path and class.
+
+    Examples
+    --------
+    >>> cluster_title("layer1.0", "torchvision.models.resnet.BasicBlock")
+    'layer1.0: BasicBlock'
+    """
     kind_text = clip(str(module_type or "").rsplit(".", 1)[-1])
-    return "<" + text(f"{clip(scope)}: {kind_text}" if kind_text else clip(scope)) + ">"
+    return f"{clip(scope)}: {kind_text}" if kind_text else clip(scope)
+
+
+def cluster_label(scope: str, module_type: Any) -> str:
+    """The HTML-like label of a module's box: its path and class (:func:`cluster_title`)."""
+    return "<" + text(cluster_title(scope, module_type)) + ">"
+
+
+def cluster_width(scope: str, module_type: Any) -> float:
+    """The width in points of a module box's label, for :func:`fxnx._layout.estimate`: a box
+    is at least as wide as it, whatever it holds."""
+    from ._layout import BOX_CHAR
+
+    return len(cluster_title(scope, module_type)) * BOX_CHAR
 
 
 class Scale:

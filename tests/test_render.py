@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
 import struct
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import networkx as nx
@@ -436,7 +441,7 @@ def test_a_layout_past_the_time_limit_names_a_depth(tmp_path, monkeypatch, torch
 
 
 def _dot_times_out(monkeypatch):
-    def slow(text, fmt, dpi, path):
+    def slow(text, fmt, name):
         raise render.subprocess.TimeoutExpired(["dot"], render.DOT_TIMEOUT)
 
     monkeypatch.setattr(render, "_run_dot", slow)
@@ -719,8 +724,8 @@ def test_png_depth_of_timm_models_is_what_trying_every_depth_picks(name):
 
 def _check_png_depth(model):
     G = without_checks(fxnx.convert(model, torch.randn(1, 3, 224, 224)))
-    with pytest.warns(UserWarning, match="collapsed below depth"):
-        depth, view, _ = render._png_depth(G, 96, True)
+    depth, view, _ = render._png_depth(G, 96, True)
+    assert depth is not None  # too large in full
     assert depth == _deepest_fitting_depth(G)
     assert all("branch_role" in d for _, d in view.nodes(data=True))  # its own skip marks
     for d in range(1, render.module_depth(G) + 1):  # the count it passes over by: a floor
@@ -746,3 +751,114 @@ def test_no_estimate_is_smaller_than_the_area_floor():
             assert e.across * e.along >= area_floor(widths.values())
     e = render.estimate(nx.MultiDiGraph([(0, 1)]), lambda node, data: NODE_PAD)
     assert e.across * e.along == pytest.approx(area_floor([NODE_PAD] * 2))  # one a rank: the floor
+
+
+# --- left to right without covered labels; DOT text that makes the same drawing ---------------
+
+
+def _label_and_node_boxes(text):
+    """Boxes (x0, y0, x1, y1) in points of every node and edge label in dot's own layout of
+    DOT text (``-Tjson``): the oracle for what covers what."""
+    out = render.subprocess.run(["dot", "-Tjson"], input=text.encode(), capture_output=True,
+                                check=True).stdout
+    layout = json.loads(out)
+    nodes = {}
+    for obj in layout.get("objects", []):
+        if "pos" in obj and "width" in obj:  # a node (clusters have a bb, not a pos)
+            x, y = map(float, obj["pos"].split(","))
+            w, h = float(obj["width"]) * 72, float(obj["height"]) * 72
+            nodes[obj["name"]] = (x - w / 2, y - h / 2, x + w / 2, y + h / 2)
+    labels = []
+    for edge in layout.get("edges", []):
+        where = edge.get("xlp") or edge.get("lp")
+        texts = [op for op in edge.get("_ldraw_", []) if op["op"] == "T"]
+        sizes = [op["size"] for op in edge.get("_ldraw_", []) if op["op"] == "F"]
+        if where and texts:
+            x, y = map(float, where.split(","))
+            w, h = texts[0]["width"], sizes[0] * 1.2  # dot's line height: 1.2 times the size
+            labels.append((texts[0]["text"], (x - w / 2, y - h / 2, x + w / 2, y + h / 2)))
+    return nodes, labels
+
+
+def _overlap(a, b, tolerance=2.0):
+    """Whether two boxes share more than ``tolerance`` points both ways (dot lets a label
+    touch what it is set beside)."""
+    return (min(a[2], b[2]) - max(a[0], b[0]) > tolerance
+            and min(a[3], b[3]) - max(a[1], b[1]) > tolerance)
+
+
+@needs_dot
+@pytest.mark.parametrize("rankdir", ["TB", "LR"])
+@pytest.mark.parametrize("depth", [1, 2, None])
+def test_edge_labels_cover_no_node_and_no_other_label(depth, rankdir, tmp_path, torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 3, 64, 64))
+    text = fxnx.draw(G, tmp_path / "g.dot", depth=depth or render.module_depth(G),
+                     rankdir=rankdir).read_text()
+    nodes, labels = _label_and_node_boxes(text)
+    assert len(labels) == fxnx.to_pydot(G, depth=depth).to_string().count("label=\" ")
+    covered = [(label, node) for label, box in labels for node, other in nodes.items()
+               if _overlap(box, other)]
+    assert covered == []
+    crossed = [(a, b) for i, (a, box) in enumerate(labels) for b, other in labels[i + 1:]
+               if _overlap(box, other)]
+    assert crossed == []
+
+
+def test_left_to_right_labels_are_dots_own_edge_labels():
+    text = fxnx.to_pydot(_zoo("skip_block"), rankdir="LR").to_string()
+    assert 'label=" 2×4 "' in text and "xlabel" not in text
+    assert 'xlabel=" 2×4 "' in fxnx.to_pydot(_zoo("skip_block")).to_string()
+
+
+@needs_dot
+@pytest.mark.parametrize(("options", "dpi"), [({}, 96), ({"rankdir": "LR"}, 150),
+                                              ({"depth": 1, "color_by": "credit_norm"}, 200)])
+def test_dot_text_written_by_draw_makes_the_same_png(options, dpi, tmp_path, torchvision_model):
+    model = torchvision_model("resnet18")
+    x = torch.randn(1, 3, 64, 64)
+    G = fxnx.convert(model, x)
+    if "color_by" in options:
+        fxnx.route_credit(G, model, x)
+    with warnings.catch_warnings(record=True) as png_warnings:
+        warnings.simplefilter("always")
+        png = fxnx.draw(G, tmp_path / "g.png", dpi=dpi, **options).read_bytes()
+    with warnings.catch_warnings(record=True) as dot_warnings:
+        warnings.simplefilter("always")
+        dot = fxnx.draw(G, tmp_path / "g.dot", dpi=dpi, **options)
+    assert [str(w.message) for w in dot_warnings] == [str(w.message) for w in png_warnings]
+    # The oracle: Graphviz run by hand on the file, as a user would, with no other option.
+    done = render.subprocess.run(["dot", "-Tpng", str(dot)], capture_output=True, check=True)
+    assert done.stdout == png
+    assert f"dpi={dpi}" in dot.read_text()
+
+
+@needs_dot
+def test_dot_text_of_a_large_graph_carries_the_layouts_limits(tmp_path, torchvision_model):
+    G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 64, 64))
+    full = render.module_depth(G)  # every node: what SVG draws
+    text = fxnx.draw(G, tmp_path / "g.dot", depth=full).read_text()
+    import pydot
+
+    (P,) = pydot.graph_from_dot_data(text)
+    attrs = P.get_attributes()
+    expected = render.bounded_options(render._estimate(render._view(without_checks(G), full), True))
+    assert expected  # DenseNet-121 in full is past the work at which dot's passes are limited
+    assert {key: attrs[key] for key in expected} == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = fxnx.draw(G, tmp_path / "png.dot").read_text()  # as a PNG: collapsed
+    assert len(chosen) < len(text) / 3
+
+
+def test_a_subgraphs_drawing_is_the_same_in_every_process(tmp_path, torchvision_model):
+    G = fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 3, 64, 64))
+    fxnx.write_pickle(G, tmp_path / "g.pkl")
+    code = ("import sys, fxnx; G = fxnx.read_pickle(sys.argv[1]); "
+            "print(fxnx.to_pydot(fxnx.scope_subgraph(G, 'layer2')).to_string())")
+    texts = set()
+    for seed in ("1", "2", "3"):  # string hashing, and so the order of sets, differs with it
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "g.pkl")],
+                              capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        texts.add(done.stdout)
+    assert len(texts) == 1
