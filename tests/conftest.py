@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import functools
 import math
+import signal
 
 import pytest
 import torch
 import torchvision
+
+
+def pytest_configure(config):
+    # A suite started in the background of a script inherits Ctrl-C ignored (SIG_IGN), and so
+    # would the fxnx processes the CLI tests interrupt: hear it again, as a terminal does.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser):
