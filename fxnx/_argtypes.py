@@ -8,6 +8,7 @@ import lazily: ``fxnx info`` and ``fxnx draw`` never call them.
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import os
 from collections.abc import Callable
@@ -15,16 +16,23 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import render as _render
+from .errors import FxnxError, first_line
 
 __all__ = [
     "MAX_DPI",
     "MAX_INPUT_ELEMENTS",
+    "VALUES",
+    "InputSpec",
     "Output",
+    "TorchMissingError",
     "bounded",
     "drawing",
     "dtype",
     "graph_file",
     "graph_output",
+    "input_spec",
+    "model_option",
+    "positional_input",
     "routes",
     "rule",
     "shape",
@@ -105,6 +113,7 @@ def dtype(text: str) -> Any:
     argparse.ArgumentTypeError: 'Tensor' is not a torch dtype: give float32, float64, \
 bfloat16, int64 or another torch.dtype name
     """
+    _needs_torch()
     from ._models import DTYPES
 
     if text not in DTYPES:
@@ -113,6 +122,174 @@ bfloat16, int64 or another torch.dtype name
             "torch.dtype name"
         )
     return DTYPES[text]
+
+
+class TorchMissingError(FxnxError, ImportError):
+    """The command needs torch, and importing it failed (raised while arguments are parsed)."""
+
+
+def _needs_torch() -> None:
+    """Import torch, or raise one :class:`TorchMissingError` that says what to install."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as err:
+        if err.name is not None and err.name.split(".")[0] != "torch":
+            how = f"fails to import (it needs {err.name}, which is missing)"
+        else:
+            how = "is not installed"
+        raise TorchMissingError(
+            f"this command builds models with torch, which {how}: pip install torch "
+            "(fxnx info and fxnx draw work without it)"
+        ) from None
+    except Exception as err:  # a broken build raises OSError (a missing library) and others
+        raise TorchMissingError(
+            f"this command builds models with torch, which fails to import "
+            f"({type(err).__name__}: {first_line(err)}): reinstall torch (pip install torch); "
+            "fxnx info and fxnx draw work without it"
+        ) from None
+
+
+#: What ``--input ...:VALUES`` may ask for; ``randint=N`` gives whole numbers from 0 to N-1.
+VALUES = ("zeros", "ones", "randn", "randint=N")
+
+_INPUT_FORM = "[NAME=]SHAPE[:DTYPE][:VALUES], such as 1,3,224,224 or input_ids=1,16:int64:randint=1000"
+
+
+class InputSpec(NamedTuple):
+    """One example input of ``--input`` or ``--input-shape``, before it is made.
+
+    ``name`` is None for a positional input, else the keyword of ``forward`` it is
+    passed as. ``dtype`` None stands for the command's ``--dtype``. ``values`` is
+    ``"zeros"``, ``"ones"``, ``"randn"`` or ``"randint"`` (below ``high``); None
+    stands for randn for a float or complex dtype and zeros for any other.
+    """
+
+    name: str | None
+    shape: tuple[int, ...]
+    dtype: Any = None
+    values: str | None = None
+    high: int | None = None
+
+    def __str__(self) -> str:
+        text = ",".join(map(str, self.shape))
+        if self.name is not None:
+            text = f"{self.name}={text}"
+        if self.dtype is not None:
+            text += ":" + str(self.dtype).removeprefix("torch.")
+        if self.values == "randint":
+            text += f":randint={self.high}"
+        elif self.values is not None:
+            text += f":{self.values}"
+        return text
+
+
+def positional_input(text: str) -> InputSpec:
+    """``--input-shape``: the shape of one positional input, of the command's ``--dtype``.
+
+    Examples
+    --------
+    >>> positional_input("1,3,32,32")
+    InputSpec(name=None, shape=(1, 3, 32, 32), dtype=None, values=None, high=None)
+    """
+    return InputSpec(None, shape(text))
+
+
+def input_spec(text: str) -> InputSpec:
+    """``--input [NAME=]SHAPE[:DTYPE][:VALUES]``: one example input, positional or by keyword.
+
+    Examples
+    --------
+    >>> str(input_spec("input_ids=1,16:int64:randint=1000"))
+    'input_ids=1,16:int64:randint=1000'
+    >>> input_spec("mask=1,16:long:ones").dtype
+    torch.int64
+    >>> input_spec("1,16:lnog")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: 'lnog' in '1,16:lnog' is neither a torch dtype (float32, int64, ...) nor values (zeros, ones, randn, randint=N): write [NAME=]SHAPE[:DTYPE][:VALUES], such as 1,3,224,224 or input_ids=1,16:int64:randint=1000
+    """
+    head, *fields = text.split(":")
+    name, equals, size = head.rpartition("=")
+    if equals and not name.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"{name!r} in {text!r} is not a keyword of forward (a Python name such as "
+            f"attention_mask): write {_INPUT_FORM}"
+        )
+    try:
+        dims = shape(size)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err} (in {text!r})") from None
+    kind, values, high = None, None, None
+    for field in fields:
+        value_kind, _, bound = field.partition("=")
+        if value_kind in ("zeros", "ones", "randn", "randint") and values is None:
+            values, high = value_kind, _high(value_kind, bound, field, text)
+        elif kind is None and values is None:
+            kind = _input_dtype(field, text)
+        else:
+            raise argparse.ArgumentTypeError(
+                f"{field!r} in {text!r} is one field too many: write {_INPUT_FORM}"
+            )
+    return InputSpec(name or None, dims, kind, values, high)
+
+
+def _input_dtype(field: str, text: str) -> Any:
+    _needs_torch()
+    from ._models import DTYPES
+
+    if field not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{field!r} in {text!r} is neither a torch dtype (float32, int64, ...) nor values "
+            f"({', '.join(VALUES)}): write {_INPUT_FORM}"
+        )
+    return DTYPES[field]
+
+
+def _high(kind: str, bound: str, field: str, text: str) -> int | None:
+    """randint's N (values 0 to N-1); no bound for the other values."""
+    if kind != "randint":
+        if bound:
+            raise argparse.ArgumentTypeError(
+                f"{field!r} in {text!r}: {kind} takes no '=': write {kind}"
+            )
+        return None
+    try:
+        high = int(bound)
+    except ValueError:
+        high = 0
+    if high < 1:
+        raise argparse.ArgumentTypeError(
+            f"{field!r} in {text!r}: write randint=N with N a whole number of 1 or more, for "
+            "values from 0 to N-1 (token ids below a vocabulary of N)"
+        )
+    return high
+
+
+def model_option(text: str) -> tuple[str, Any]:
+    """``--config KEY=VALUE``: a keyword for the model's builder, VALUE read as a Python literal.
+
+    A VALUE that is not a literal (``gelu``) stays a string.
+
+    Examples
+    --------
+    >>> model_option("num_hidden_layers=2")
+    ('num_hidden_layers', 2)
+    >>> model_option("hidden_act=gelu")
+    ('hidden_act', 'gelu')
+    >>> model_option("layers")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: 'layers' is not KEY=VALUE: write for example num_hidden_layers=2
+    """
+    key, equals, value = text.partition("=")
+    if not equals or not key.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not KEY=VALUE: write for example num_hidden_layers=2"
+        )
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return key, value
 
 
 def routes(text: str) -> str | tuple[str, ...]:
@@ -125,6 +302,7 @@ def routes(text: str) -> str | tuple[str, ...]:
     """
     if text == "auto":
         return text
+    _needs_torch()
     from .capturing.registry import ROUTES
 
     names = tuple(text.split(","))
@@ -139,6 +317,7 @@ def routes(text: str) -> str | tuple[str, ...]:
 
 def rule(text: str) -> str:
     """The name of a credit rule preset in ``fxnx.PRESETS`` (``exact``, ``usf``, ...)."""
+    _needs_torch()
     from .credit import PRESETS
 
     if text not in PRESETS:

@@ -3,6 +3,9 @@
 ``fxnx convert resnet18 --input-shape 1,3,224,224 -o resnet18.pkl`` converts a
 model and prints its summary; ``fxnx info`` and ``fxnx draw`` work on saved
 graphs without importing torch; ``fxnx credit`` routes credit and draws it.
+A model is a torchvision name, ``timm:NAME``, ``hf:TYPE``, ``hf:FOLDER`` or
+``package.module:factory`` (:mod:`fxnx._models`); ``--input`` gives several
+example inputs, positional or by keyword (:func:`fxnx._argtypes.input_spec`).
 
 Every failure is one line on stderr and a non-zero exit: 2 for a bad argument
 (argparse's usage error, before any model is built or file read), 1 for
@@ -42,26 +45,37 @@ TRACEBACK_VARIABLE = "FXNX_TRACEBACK"
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     with _terminate_by_exception():
         try:
             with _held(signal.SIGINT, signal.SIGTERM):  # parsing --dtype imports torch: seconds
                 args = _parser().parse_args(argv)  # a usage error exits 2 here, --help exits 0
         except (KeyboardInterrupt, _Terminated) as stop:
             return _stopped("fxnx", stop)
+        except argtypes.TorchMissingError as err:  # convert and credit check torch's dtypes
+            command = next((a for a in argv if a in COMMANDS), None)
+            print(f"fxnx {command}: error: {err}" if command else f"fxnx: error: {err}",
+                  file=sys.stderr)
+            return 1
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
+    status = _Status(_interactive())
     try:
         with warnings.catch_warnings():  # restores Python's own display afterwards
-            warnings.showwarning = partial(_show_warning, args.command)
-            return int(args.run(args))
+            warnings.showwarning = partial(_show_warning, args.command, status)
+            code = int(args.run(args, status))
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+            return code
     except (KeyboardInterrupt, _Terminated) as stop:
+        status.close()
         return _stopped(f"fxnx {args.command}", stop)
     except BrokenPipeError:  # the reader left (fxnx info g.pkl | head -1): nothing to say
         _quiet_stdout()
         return 128 + signal.SIGPIPE
     except (Exception, SystemExit) as err:  # SystemExit: a model's own code called sys.exit
+        status.close()
         if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
             traceback.print_exc()
         print(f"fxnx {args.command}: error: {_one_line(err)}", file=sys.stderr)
@@ -139,10 +153,13 @@ def _stopped(command: str, stop: BaseException) -> int:
     return 128 + signal.SIGTERM
 
 
-def _show_warning(command: str, message: Warning | str, *args: Any, **kwargs: Any) -> None:
-    """A warning as the command's own line on stderr: no file name, no source line."""
+def _show_warning(
+    command: str, status: _Status, message: Warning | str, *args: Any, **kwargs: Any
+) -> None:
+    """A warning as the command's own line on stderr: no file name, no source line, and never
+    in the middle of the progress line."""
     text = " ".join(str(message).split())
-    print(f"fxnx {command}: warning: {text}", file=sys.stderr)
+    status.interject(f"fxnx {command}: warning: {text}")
 
 
 def _one_line(err: BaseException) -> str:
@@ -159,6 +176,14 @@ def _one_line(err: BaseException) -> str:
 
 # --- arguments ---------------------------------------------------------------------------------
 
+COMMANDS = ("convert", "info", "draw", "credit")
+
+_MODEL_HELP = (
+    "a torchvision model name (resnet18), timm:NAME (timm:resnet50), hf:TYPE (hf:bert, a "
+    "Hugging Face model type from its default config), hf:FOLDER (a local checkpoint folder, "
+    "./tiny-bert) or package.module:factory for your own model; random weights, never a download"
+)
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -174,11 +199,9 @@ def _parser() -> argparse.ArgumentParser:
         help="convert models to graph files and print their summaries",
         description="Convert one or more models to graph files and print their summaries.",
     )
-    conv.add_argument(
-        "models", nargs="+", metavar="MODEL",
-        help="a torchvision model name (resnet18) or package.module:factory for your own model",
-    )
-    _input_options(conv)
+    conv.add_argument("models", nargs="+", metavar="MODEL", help=_MODEL_HELP)
+    _model_options(conv)
+    _input_options(conv, "without inputs: no shapes, except token ids for a Hugging Face model")
     conv.add_argument(
         "-o", "--output", type=argtypes.graph_output, metavar="PATH",
         help="the .pkl file to write, or a folder to write MODEL.pkl in: one that exists, a path "
@@ -186,19 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     for fmt in ("png", "svg", "json"):
         conv.add_argument(f"--{fmt}", action="store_true", help=f"also write a .{fmt} beside it")
-    conv.add_argument(
-        "--level", choices=("module", "aten", "joint"), default="module",
-        help="module calls (default), ATen operators, or the joint forward+backward ATen graph",
-    )
-    conv.add_argument(
-        "--routes", type=argtypes.routes, default="auto", metavar="ROUTE[,ROUTE]",
-        help="capture routes to try in order: symbolic_trace, export, draft_export, make_fx "
-        "(default: all of them)",
-    )
-    conv.add_argument(
-        "--leaf-on-failure", action="store_true",
-        help="keep a submodule that symbolic tracing fails in as one opaque node",
-    )
+    _capture_options(conv)
     conv.set_defaults(run=_convert)
 
     info = commands.add_parser(
@@ -230,12 +241,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Convert a model, route credit backward over it, draw nodes coloured by "
         "credit norm, and print which rule ran where.",
     )
-    credit.add_argument("model", help="a torchvision model name or package.module:factory")
-    _input_options(credit, default=(1, 3, 224, 224))
+    credit.add_argument("model", help=_MODEL_HELP)
+    _model_options(credit)
     credit.add_argument(
         "--rule", type=argtypes.rule, default="exact", help="a credit rule preset: exact, feedback_alignment, direct_feedback_alignment, usf, brsf, frsf, kolen_pollack, weight_mirror"
     )
-    credit.add_argument("--seed", type=int, default=0, help="seed of random feedback weights")
+    _input_options(credit, "without inputs: a timm model's input size, token ids for a Hugging "
+                   "Face model, else 1,3,224,224", seed="and of random feedback weights")
+    _capture_options(credit)
     _draw_options(credit, "credit.png")
     credit.add_argument(
         "--graph", type=argtypes.graph_file, metavar="FILE",
@@ -245,16 +258,80 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _input_options(parser: argparse.ArgumentParser, default: tuple[int, ...] | None = None) -> None:
+class _AppendOnce(argparse.Action):
+    """Append each value to a list; a value whose key another already has is a usage error."""
+
+    def key(self, value: Any) -> str | None:
+        raise NotImplementedError
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        given = list(getattr(namespace, self.dest) or [])
+        key = self.key(values)
+        if key is not None and any(self.key(v) == key for v in given):
+            raise argparse.ArgumentError(self, f"{key} is given twice: give it once")
+        setattr(namespace, self.dest, [*given, values])
+
+
+class _AppendInput(_AppendOnce):
+    def key(self, value: argtypes.InputSpec) -> str | None:
+        return None if value.name is None else f"the keyword input {value.name!r}"
+
+
+class _AppendOption(_AppendOnce):
+    def key(self, value: tuple[str, Any]) -> str | None:
+        return f"the option {value[0]!r}"
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--input-shape", type=argtypes.shape, metavar="N,C,H,W", default=default,
-        help="shape of the example input, for example 1,3,224,224"
-        + (" (omit it to convert without shapes)" if default is None else " (the default)"),
+        "--config", type=argtypes.model_option, action=_AppendOption, dest="options",
+        default=[], metavar="KEY=VALUE",
+        help="an option of the model, repeatable: an attribute of a Hugging Face config "
+        "(hf:bert --config num_hidden_layers=2), else a keyword argument of timm.create_model, "
+        "torchvision's builder or your factory (num_classes=10); VALUE is read as a Python literal",
+    )
+
+
+def _input_options(parser: argparse.ArgumentParser, default: str, seed: str = "") -> None:
+    parser.add_argument(
+        "--input", type=argtypes.input_spec, action=_AppendInput, dest="inputs",
+        metavar="[NAME=]SHAPE[:DTYPE][:VALUES]",
+        help="an example input, repeatable: positional in the order given, or the keyword NAME of "
+        "forward (--input input_ids=1,16:int64:randint=30522 --input attention_mask=1,16:int64:"
+        "ones); DTYPE defaults to --dtype; VALUES are zeros, ones, randn or randint=N (0 to N-1), "
+        f"by default randn for float dtypes and zeros for others ({default})",
+    )
+    parser.add_argument(
+        "--input-shape", type=argtypes.positional_input, action=_AppendInput, dest="inputs",
+        metavar="N,C,H,W",
+        help="the shape of a positional example input of --dtype, for example 1,3,224,224 "
+        "(short for --input 1,3,224,224)",
     )
     parser.add_argument(
         "--dtype", type=argtypes.dtype, default="float32",
-        help="dtype of the example input (default float32); an integer dtype such as int64 "
-        "gives zeros (token ids) and leaves the model's own dtype",
+        help="dtype of the model and of inputs that name none (default float32); an integer dtype "
+        "such as int64 gives zeros (token ids) and leaves the model's own dtype",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help=" ".join(["seed of the random values of example inputs", *seed.split(), "(default 0)"]),
+    )
+
+
+def _capture_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--level", choices=("module", "aten", "joint"), default="module",
+        help="module calls (default), ATen operators, or the joint forward+backward ATen graph",
+    )
+    parser.add_argument(
+        "--routes", type=argtypes.routes, default="auto", metavar="ROUTE[,ROUTE]",
+        help="capture routes to try in order: symbolic_trace, export, draft_export, make_fx "
+        "(default: all of them)",
+    )
+    parser.add_argument(
+        "--leaf-on-failure", action="store_true",
+        help="keep a submodule that symbolic tracing fails in as one opaque node",
     )
 
 
@@ -271,6 +348,10 @@ def _draw_options(parser: argparse.ArgumentParser, default: str) -> None:
         help=f"PNG resolution, 1 to {argtypes.MAX_DPI} (default 96)",
     )
     parser.add_argument(
+        "--rankdir", choices=("TB", "LR"), default="TB",
+        help="the layout's direction: top to bottom (default) or left to right",
+    )
+    parser.add_argument(
         "--checks", action="store_true",
         help="also draw the model's assertions and the reads that only feed them",
     )
@@ -283,59 +364,103 @@ def _interactive() -> bool:
     return sys.stderr.isatty()
 
 
-def _status(text: str, end: str = "\n") -> None:
-    """Progress on a terminal (stderr); silent when output goes to a file or a pipe."""
-    if _interactive():
-        print(text, end=end, file=sys.stderr, flush=True)
+class _Status:
+    """The progress line on a terminal (stderr); silent when stderr is a file or a pipe.
+
+    :meth:`interject` prints a line (a warning, an error) on a line of its own and then
+    shows the progress line again below it, so neither runs into the other.
+    """
+
+    def __init__(self, shown: bool) -> None:
+        self.shown = shown
+        self.line: str | None = None  # the open progress line, None when none is open
+
+    def show(self, text: str, end: str = "") -> None:
+        if self.shown:
+            print(text, end=end, file=sys.stderr, flush=True)
+            self.line = None if end == "\n" else (self.line or "") + text
+
+    def close(self) -> None:
+        if self.line is not None:
+            print(file=sys.stderr, flush=True)
+            self.line = None
+
+    def interject(self, text: str) -> None:
+        line = self.line
+        self.close()
+        print(text, file=sys.stderr, flush=True)
+        if line is not None:
+            self.show(line)
 
 
-def _convert(args: argparse.Namespace) -> int:
-    from ._models import example_input, load_model, model_for
+def _convert(args: argparse.Namespace, status: _Status) -> int:
+    from ._models import load_model, model_for
     from .conversion import convert
 
     plan = _outputs(args)
-    inputs = () if args.input_shape is None else (example_input(args.input_shape, args.dtype),)
     for i, (spec, paths) in enumerate(plan, 1):
-        _status(f"[{i}/{len(plan)}] {spec}: building, tracing, propagating shapes…", end="")
+        status.show(f"[{i}/{len(plan)}] {spec}: building, tracing, propagating shapes…")
         start = time.perf_counter()
-        model = model_for(load_model(spec), args.dtype)
-        with _running(spec, args):
-            G = convert(model, *inputs, level=args.level, routes=args.routes,
+        model = model_for(load_model(spec, dict(args.options)), args.dtype)
+        given = args.inputs or (_defaults(spec, model) if spec.startswith("hf:") else [])
+        with _running(spec, given, args.dtype):
+            inputs, kwargs = _inputs(given, args)
+            G = convert(model, *inputs, kwargs=kwargs, level=args.level, routes=args.routes,
                         leaf_on_failure=args.leaf_on_failure)
         written = [_write(G, path) for path in paths]
-        _status(f" {time.perf_counter() - start:.1f} s")
+        status.show(f" {time.perf_counter() - start:.1f} s", end="\n")
         if len(plan) > 1:
             print(f"== {spec}")
+        if given and not args.inputs:
+            print(f"example inputs: {_listed(given, args.dtype)} (give --input to choose others)")
         print(format_summary(summary(G)))
         for path in written:
             print(f"wrote {path}")
     return 0
 
 
+def _defaults(spec: str, model: Any) -> list[argtypes.InputSpec]:
+    from ._models import default_inputs
+
+    return list(default_inputs(spec, model))
+
+
+def _inputs(given: list[argtypes.InputSpec], args: argparse.Namespace) -> tuple[tuple, dict]:
+    from ._models import example_inputs
+
+    return example_inputs(given, args.dtype, args.seed)
+
+
+def _listed(inputs: list[argtypes.InputSpec], dtype: Any) -> str:
+    """The inputs as ``--input`` would give them, each with its dtype."""
+    return " ".join(str(spec._replace(dtype=spec.dtype or dtype)) for spec in inputs)
+
+
 @contextlib.contextmanager
-def _running(spec: str, args: argparse.Namespace) -> Iterator[None]:
-    """Name the model and its example input in an error the model's own code raised."""
+def _running(spec: str, inputs: list[argtypes.InputSpec], dtype: Any) -> Iterator[None]:
+    """Name the model and its example inputs in an error the model's own code raised."""
     try:
         yield
     except (FxnxError, OSError):
         raise
     except Exception as err:
-        shape = "no example input" if args.input_shape is None else (
-            f"an example input of shape {','.join(map(str, args.input_shape))} and {args.dtype}"
-        )
+        given = (f"example input{'s' * (len(inputs) > 1)} {_listed(inputs, dtype)}" if inputs
+                 else "no example input")
         raise FxnxValueError(
-            f"{spec!r} failed with {shape}: {type(err).__name__}: {first_line(err)}; check "
-            f"--input-shape and --dtype (set {TRACEBACK_VARIABLE}=1 to see the traceback)"
+            f"{spec!r} failed with {given}: {type(err).__name__}: {first_line(err)}; check "
+            f"--input, --input-shape and --dtype (set {TRACEBACK_VARIABLE}=1 to see the traceback)"
         ) from err
 
 
 def _outputs(args: argparse.Namespace) -> list[tuple[str, list[Path]]]:
     """The files each model will write, refusing two models that would write the same file."""
+    from ._models import model_stem
+
     several = len(args.models) > 1
     plan: list[tuple[str, list[Path]]] = []
     owners: dict[Path, str] = {}
     for spec in args.models:
-        name = spec.rpartition(":")[2]
+        name = model_stem(spec)
         if args.output and (several or args.output.folder):
             stem = args.output.path / name
         elif args.output:
@@ -376,7 +501,7 @@ def _read(path: str) -> Any:
     return read_json(path) if path.lower().endswith(".json") else read_pickle(path)
 
 
-def _info(args: argparse.Namespace) -> int:
+def _info(args: argparse.Namespace, status: _Status) -> int:
     G = _read(args.graph)
     if args.json:
         print(json.dumps(summary(G), indent=2))
@@ -388,35 +513,40 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draw(args: argparse.Namespace) -> int:
+def _draw(args: argparse.Namespace, status: _Status) -> int:
     from .render import draw
 
     G = _read(args.graph)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by=args.color_by,
-                checks=args.checks)
+                checks=args.checks, rankdir=args.rankdir)
     print(f"wrote {path}")
     return 0
 
 
-def _credit(args: argparse.Namespace) -> int:
-    from ._models import example_input, load_model, model_for
+def _credit(args: argparse.Namespace, status: _Status) -> int:
+    from ._argtypes import InputSpec
+    from ._models import load_model, model_for
     from .conversion import convert
     from .credit import route_credit
     from .render import draw
 
-    x = example_input(args.input_shape, args.dtype)
-    _status(f"{args.model}: converting…", end="")
-    model = model_for(load_model(args.model), args.dtype)
-    with _running(args.model, args):
-        G = convert(model, x)
-        _status(f" routing credit ({args.rule})…", end="")
-        res = route_credit(G, model, x, rule=args.rule, seed=args.seed)
-    _status(" drawing…")
+    status.show(f"{args.model}: converting…")
+    model = model_for(load_model(args.model, dict(args.options)), args.dtype)
+    given = args.inputs or _defaults(args.model, model) or [InputSpec(None, (1, 3, 224, 224))]
+    with _running(args.model, given, args.dtype):
+        inputs, kwargs = _inputs(given, args)
+        G = convert(model, *inputs, kwargs=kwargs, level=args.level, routes=args.routes,
+                    leaf_on_failure=args.leaf_on_failure)
+        status.show(f" routing credit ({args.rule})…")
+        res = route_credit(G, model, *inputs, kwargs=kwargs, rule=args.rule, seed=args.seed)
+    status.show(" drawing…", end="\n")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by="credit_norm",
-                checks=args.checks)
+                checks=args.checks, rankdir=args.rankdir)
     norms = [v for v in res.norms().values() if v is not None]
+    if not args.inputs:
+        print(f"example inputs: {_listed(given, args.dtype)} (give --input to choose others)")
     print(f"rule {args.rule}: {res.describe()}")
     if norms:
         print(f"credit norm: {min(norms):.4g} to {max(norms):.4g} over {len(norms)} nodes")

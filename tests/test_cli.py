@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -149,7 +150,12 @@ def test_draw_a_saved_graph_without_torch(tmp_path):
                              "--depth", "1")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    # DOT text is drawn within the PNG's bounds (collapsed as below) unless a depth is given.
     done = run_without_torch(code, "draw", str(tmp_path / "r.pkl"), "-o", str(tmp_path / "r.dot"))
+    assert done.returncode == 0 and "layer4_2_conv3" not in (tmp_path / "r.dot").read_text()
+    assert "collapsed below depth 2" in done.stderr
+    done = run_without_torch(code, "draw", str(tmp_path / "r.pkl"), "-o", str(tmp_path / "r.dot"),
+                             "--depth", "4")
     assert done.returncode == 0 and "layer4_2_conv3" in (tmp_path / "r.dot").read_text()
     # Collapsed for a readable PNG: said on one line of the command's own, no Python internals.
     done = run_without_torch(code, "draw", str(tmp_path / "r.pkl"), "-o", str(tmp_path / "r.png"))
@@ -293,8 +299,8 @@ ERRORS = {
     "wrong shape": (["convert", "clifactories:tiny", "--input-shape", "4,5"],
                     "shape propagation failed at fx node '_0'.*; What to do"),
     "wrong shape, joint": (["convert", "clifactories:tiny", "--input-shape", "4,5", "--level", "joint"],
-                           "'clifactories:tiny' failed with an example input of shape 4,5 and "
-                           "torch.float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+                           "'clifactories:tiny' failed with example input 4,5:float32: RuntimeError: "
+                           "mat1 and mat2 shapes cannot be multiplied"),
     "ints into a Linear": ([*TINY, "--dtype", "int64"], "must have the same dtype"),
     "same factory name, -o folder": (["convert", "clifactories:build", "climore:build", "-o",
                                       "{tmp}/out"],
@@ -464,11 +470,11 @@ def test_an_allocation_failure_is_one_line(capsys, monkeypatch):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 GB")
 
     monkeypatch.setattr("torch.randn", out_of_memory)
-    assert main([*TINY, "--input-shape", "1024,1024,1024"]) == 1
+    assert main(["convert", "clifactories:tiny", "--input-shape", "1024,1024,1024"]) == 1
     assert capsys.readouterr().err == (
         "fxnx convert: error: cannot make an example input of shape 1024,1024,1024 and dtype "
         "torch.float32: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to "
-        "allocate 4 GB; give a smaller --input-shape or another --dtype\n"
+        "allocate 4 GB; give a smaller shape or another dtype\n"
     )
 
 
@@ -513,3 +519,93 @@ def test_info_shows_the_cost_table_and_json(tmp_path, capsys):
     assert data["costs"]["flops"] == 200 and data["costs"]["macs"] == 100
     # Live activations by hand: the peak holds _0's (5,4) and _1's (5,4) float32 outputs.
     assert data["memory"] == {"bytes": 160, "node": "_1", "saved_bytes": None}
+
+
+# --- credit captures like convert; drawings in either direction ----------------------------------
+
+
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+def test_credit_routes_follow_the_option_and_equal_autograd(routes, tmp_path, capsys):
+    argv = ["credit", "clifactories:masked", "--input", "2,3:ones", "--input", "mask=2,2:ones",
+            "--dtype", "float64", "--routes", routes, "--graph", str(tmp_path / "g.pkl"),
+            "-o", str(tmp_path / "g.dot")]
+    assert main(argv) == 0
+    G = fxnx.read_pickle(tmp_path / "g.pkl")
+    assert G.graph["capture"] == routes
+    model = clifactories.masked().double()
+    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(model(x, mask=torch.ones(2, 2, dtype=torch.float64)).sum(), x)
+    inputs = {n for n, op in G.nodes(data="op") if op == "placeholder"}
+    (x_node,) = [n for n in inputs if G.nodes[n]["credit_norm"] is not None and "mask" not in n]
+    assert G.nodes[x_node]["credit_norm"] == pytest.approx(gx.norm().item(), rel=1e-12)
+
+
+def test_credit_at_the_aten_level_is_the_library_s_one_line_refusal(tmp_path, capsys):
+    argv = ["credit", "clifactories:tiny", "--input-shape", "4,3", "--level", "aten", "-o",
+            str(tmp_path / "c.dot")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "at level='module'" in err
+    assert not (tmp_path / "c.dot").exists()
+
+
+def test_credit_keeps_a_failing_submodule_whole_when_asked(tmp_path, capsys):
+    argv = ["credit", "clifactories:gated", "--input-shape", "2,4", "--routes", "symbolic_trace",
+            "-o", str(tmp_path / "c.dot"), "--graph", str(tmp_path / "g.pkl")]
+    assert main(argv) == 1
+    assert "inside submodule '1'" in capsys.readouterr().err
+    assert main([*argv, "--leaf-on-failure"]) == 0
+    G = fxnx.read_pickle(tmp_path / "g.pkl")
+    assert G.graph["capture"] == "symbolic_trace"
+    assert [n for n, opaque in G.nodes(data="opaque") if opaque] == ["_1"]
+
+
+def test_convert_and_credit_share_their_model_input_and_capture_options():
+    from fxnx.cli import _parser
+
+    def options(command: str) -> dict:
+        sub = _parser()._subparsers._group_actions[0].choices[command]
+        return {a.option_strings[0]: (a.option_strings, a.dest, a.type, a.default, a.choices,
+                                      a.help, type(a)) for a in sub._actions if a.option_strings}
+
+    convert, credit = options("convert"), options("credit")
+    shared = ["--config", "--input-shape", "--dtype", "--level", "--routes", "--leaf-on-failure"]
+    assert {name: convert[name] for name in shared} == {name: credit[name] for name in shared}
+    # --input too, but for the last words of its help: what each command does without inputs.
+    assert convert["--input"][:5] == credit["--input"][:5]
+    assert convert["--input"][5].split(" (without")[0] == credit["--input"][5].split(" (without")[0]
+
+
+def _rankdir(path: Path) -> str | None:
+    import pydot
+
+    (graph,) = pydot.graph_from_dot_file(str(path))
+    return graph.get_attributes().get("rankdir")
+
+
+def test_draw_and_credit_take_a_layout_direction(bad_files, capsys):
+    for extra, expected in (([], "TB"), (["--rankdir", "LR"], "LR"), (["--rankdir", "TB"], "TB")):
+        assert main(["draw", "chain.pkl", "-o", "chain.dot", *extra]) == 0
+        assert _rankdir(bad_files / "chain.dot") == expected
+        assert main(["credit", "clifactories:tiny", "--input-shape", "4,3", "-o", "c.dot",
+                     *extra]) == 0
+        assert _rankdir(bad_files / "c.dot") == expected
+    with pytest.raises(SystemExit) as exit_:
+        main(["draw", "chain.pkl", "--rankdir", "RL"])
+    assert exit_.value.code == 2
+    assert "argument --rankdir: invalid choice: 'RL'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not shutil.which("dot"), reason="Graphviz dot is not installed")
+def test_a_left_to_right_png_of_a_chain_is_wide(bad_files, capsys):
+    """40 layers in a row: tall from top to bottom, wide from left to right."""
+    import struct
+
+    sizes = {}
+    for rankdir in ("TB", "LR"):
+        assert main(["draw", "chain.pkl", "-o", f"chain_{rankdir}.png", "--rankdir", rankdir]) == 0
+        header = (bad_files / f"chain_{rankdir}.png").read_bytes()[:24]
+        assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR"
+        sizes[rankdir] = struct.unpack(">II", header[16:24])  # width, height
+    (tb_width, tb_height), (lr_width, lr_height) = sizes["TB"], sizes["LR"]
+    assert tb_height > 5 * tb_width and lr_width > 5 * lr_height
