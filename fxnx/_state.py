@@ -27,9 +27,11 @@ def random_state_kept() -> Iterator[None]:
 
 @contextlib.contextmanager
 def preserved(model: Any) -> Iterator[None]:
-    """Restore buffers (BatchNorm running stats, ``num_batches_tracked``), torch's CPU random
-    state and Python's ``random`` state when the block ends, so running the model inside it
-    changes nothing the user sees; buffers nothing wrote are not touched at all.
+    """Restore buffers (BatchNorm running stats, ``num_batches_tracked``), the contents of
+    the dicts and lists modules keep as attributes (caches, such as timm LeViT's attention
+    biases, filled on a first call in eval mode), torch's CPU random state and Python's
+    ``random`` state when the block ends, so running the model inside it changes nothing the
+    user sees; buffers nothing wrote are not touched at all.
 
     Examples
     --------
@@ -41,10 +43,12 @@ def preserved(model: Any) -> Iterator[None]:
     """
     buffers = list(model.buffers()) if isinstance(model, nn.Module) else []
     saved = [b.detach().clone() for b in buffers]
+    caches = _caches(model)
     with random_state_kept():
         try:
             yield
         finally:
+            _refill(caches)
             with torch.no_grad():
                 # Only buffers whose values changed, and past autograd's version counter (as
                 # BatchNorm's own update of its statistics is): a counted write would break a
@@ -53,3 +57,31 @@ def preserved(model: Any) -> Iterator[None]:
                 for buf, old in zip(buffers, saved, strict=True):
                     if not buf.is_meta and not torch.equal(buf, old):
                         buf.data.copy_(old)
+
+
+#: nn.Module's own tables (parameters, buffers, submodules): changed only by the model's code.
+_TABLES = frozenset(vars(nn.Module()))
+
+
+def _caches(model: Any) -> list[tuple[Any, Any]]:
+    """Each dict and list a module of ``model`` holds as an attribute, with a copy of its
+    contents."""
+    if not isinstance(model, nn.Module):
+        return []
+    return [
+        (value, type(value)(value))
+        for m in model.modules()
+        for name, value in vars(m).items()
+        if name not in _TABLES and type(value) in (dict, list)
+    ]
+
+
+def _refill(caches: list[tuple[Any, Any]]) -> None:
+    """Give each dict and list the contents it had (the same objects), where they changed."""
+    for value, old in caches:
+        if type(value) is dict:
+            if value.keys() != old.keys() or any(value[k] is not v for k, v in old.items()):
+                value.clear()
+                value.update(old)
+        elif len(value) != len(old) or any(a is not b for a, b in zip(value, old, strict=True)):
+            value[:] = old

@@ -195,3 +195,63 @@ def test_a_broken_capture_options_value_is_refused():
     del G.graph["capture_options"]
     with pytest.raises(fxnx.GraphContractError, match="lacks attribute 'capture_options'"):
         fxnx.validate(G)
+
+
+class _CachedBias(nn.Module):
+    """Caches a value computed from a parameter in a dict on its first call in eval mode,
+    keyed by device, as timm's LeViT caches its attention biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(4))
+        self.cache: dict[str, torch.Tensor] = {}
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.training:
+            return self.linear(x) + self.bias * 2
+        key = str(x.device)
+        if key not in self.cache:
+            self.cache[key] = self.bias * 2
+        return self.linear(x) + self.cache[key]
+
+
+def test_what_a_model_caches_while_traced_is_not_kept():
+    torch.manual_seed(0)
+    model, x = _CachedBias().double().eval(), torch.randn(3, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    assert model.cache == {}  # no torch.fx Proxy left where the model's next call reads it
+    expected = model.train()(x).detach()
+    model.eval()
+    assert torch.equal(model(x), expected)  # the eager model still runs
+    model.cache.clear()  # what the eager call above cached
+    res = fxnx.route_credit(G, model, x)
+    assert model.cache == {}  # its runs of the model (a probe under no_grad) leave none either
+    x_ = x.clone().requires_grad_()
+    out = model(x_)
+    names, params = zip(*model.named_parameters(), strict=True)
+    grads = torch.autograd.grad(out.sum(), [x_, *params])
+    assert torch.equal(res.output, out)
+    got = [res.node_credit["x"], *(res.param_credit[n] for n in names)]
+    for g, want in zip(got, grads, strict=True):
+        assert torch.allclose(g, want, rtol=1e-12, atol=0)
+
+
+class _CachedAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.last = None
+
+    def forward(self, x):
+        self.last = self.linear(x)  # kept on the module, as some models keep a state
+        return self.last.relu()
+
+
+def test_an_attribute_a_model_sets_while_traced_is_given_back():
+    model, x = _CachedAttribute(), torch.randn(2, 4)
+    fxnx.convert(model, x)
+    assert model.last is None
+    del model.last
+    fxnx.convert(model, x)
+    assert not hasattr(model, "last")

@@ -89,7 +89,7 @@ def _trace(
     opaque: list[str] = []
     # torch.fx runs code on buffers as it traces (timm's BatchNormAct2d counts batches with
     # num_batches_tracked.add_(1)): the model's buffers are restored afterwards.
-    with preserved(model), _no_new_attributes(model), torch_nn_traceable():
+    with preserved(model), _no_new_attributes(model), _no_proxies_kept(model), torch_nn_traceable():
         # A proxy draws nothing: a random number drawn while tracing was drawn by the model's
         # Python code, and the graph holds it as a constant or as the branch it chose.
         with drawn(torch_rng=True) as draws:
@@ -206,6 +206,29 @@ def _no_new_attributes(model: Any) -> Iterator[None]:
     finally:
         for name in sorted(_own_attributes(model) - before):
             delattr(model, name)
+
+
+@contextlib.contextmanager
+def _no_proxies_kept(model: Any) -> Iterator[None]:
+    """Give back, when the block ends, each module attribute that the model set to a torch.fx
+    ``Proxy`` while traced (a value it caches as an attribute of its own), or remove it if it
+    is new: kept, the model's next call would compute with it. (What it caches in a dict or
+    list, such as timm LeViT's attention biases, :func:`~fxnx._state.preserved` refills.)
+    """
+    if not isinstance(model, nn.Module):
+        yield
+        return
+    before = {id(m): (m, dict(vars(m))) for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m, attributes in before.values():
+            for name, value in list(vars(m).items()):
+                if isinstance(value, fx.Proxy):
+                    if name in attributes:
+                        object.__setattr__(m, name, attributes[name])
+                    else:
+                        delattr(m, name)
 
 
 def _own_attributes(module: nn.Module) -> set[str]:
