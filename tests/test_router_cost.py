@@ -132,3 +132,32 @@ def test_sign_symmetry_refuses_a_weight_written_between_forward_and_backward():
         model[2].weight.mul_(2)
     with pytest.raises(fxnx.FxnxValueError, match="written in place .* between the forward pass"):
         out.sum().backward()
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 3)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_exact_routing_follows_an_attribute_changed_after_capture():
+    """The router's forward is the model's own where routing is autograd's: a value a
+    traced-through module reads (baked into G as a constant) changed later still gives
+    autograd's output and gradients, without capturing again."""
+    torch.manual_seed(0)
+    model, x = _Scaled().double(), torch.randn(4, 5, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model)
+    router(x).sum().backward()
+    model.scale = 3.0
+    model.zero_grad()
+    ref = copy.deepcopy(model)
+    out = router(x)
+    assert torch.equal(out, ref(x))
+    out.pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name

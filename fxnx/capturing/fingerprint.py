@@ -33,7 +33,7 @@ from torch import nn
 
 from .._compat import global_module_hooks, version
 
-__all__ = ["fingerprint"]
+__all__ = ["fingerprint", "structure"]
 
 #: Values visited per fingerprint before giving up (BERT-base reads about 10,000).
 _BUDGET = 1_000_000
@@ -96,6 +96,41 @@ def fingerprint(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
     own = [{k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
            for m in modules]
     return tuple(registered), tuple(map(walk.value, own)), walk.value(global_module_hooks())
+
+
+def structure(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
+    """What ``modules`` register, by identity: their parameters, buffers, submodules and
+    hooks, and the global module hooks; no attribute's value. Equal fingerprints give equal
+    structures, at a small part of :func:`fingerprint`'s cost: enough to tell a module
+    added, removed, replaced or hooked, where attribute values cannot change a result (a
+    router whose forward is the model's own).
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(2, 2))
+    >>> before = structure([net])
+    >>> net[0].weight.data.zero_()  # doctest: +ELLIPSIS
+    tensor(...)
+    >>> before == structure([net])
+    True
+    >>> _ = net.register_forward_hook(lambda *args: None)
+    >>> before == structure([net])
+    False
+    """
+    key = []
+    for m in modules:
+        own = vars(m)
+        for table in _REGISTERED:
+            values = own[table]
+            key.append((tuple(values), tuple(map(id, values.values()))))
+        key.append(tuple((name, tuple(own[name])) for name in _HOOK_TABLES if own.get(name)))
+    key.append(tuple(tuple(t) if isinstance(t, dict) else t for t in global_module_hooks()))
+    return tuple(key)
+
+
+#: Where a module keeps what it registers, and its hooks (nn.Module's own attributes).
+_REGISTERED = ("_parameters", "_buffers", "_modules")
+_HOOK_TABLES = tuple(k for k, v in vars(nn.Module()).items() if "hook" in k and isinstance(v, dict))
 
 
 class _Walk:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .._compat import pytree
 from .._state import preserved
 from ..capturing import TRACING_LOCK
-from ..capturing.fingerprint import fingerprint
+from ..capturing.fingerprint import fingerprint, structure
 from ..capturing.inputs import bind_inputs, qualname
 from ..capturing.ladder import Capture
 from ..capturing.options import LeafSpec
@@ -189,6 +189,9 @@ class CreditRouter(nn.Module):
         self._plan: Plan | None = None
         self._fast: dict[bool, tuple[Any, Graft, Capture]] = {}
         self._positional = False
+        #: Number of positional inputs to the keywords the model's own forward is called
+        #: with besides them (what convert fixes), where binding leaves the inputs as given.
+        self._fixed: dict[int, dict[str, Any]] = {}
         self._watched: dict[int, list[nn.Module]] = {}
         self._last = threading.local()  # this thread's last forward, for backward()
 
@@ -226,9 +229,16 @@ class CreditRouter(nn.Module):
         """The model called on ``inputs`` as its capture was (the keyword arguments convert
         fixes, such as ``use_cache=False``, and the ``concrete_args`` given)."""
         concrete = dict(self._capture["concrete_args"] or {})
+        fixed = None if kwargs else self._fixed.get(len(inputs))
+        if fixed is not None:  # positional inputs bound as they come: no binding again
+            return self.model(*inputs, **fixed, **concrete)
         bound = bind_inputs(self.model, inputs, kwargs, concrete, copy=False)
         if bound is None:
             return self.model(*inputs, **kwargs)
+        if not kwargs and len(bound.args) == len(inputs) and all(
+            a is b for a, b in zip(bound.args, inputs, strict=True)
+        ) and not any(isinstance(v, Tensor) for v in pytree.tree_leaves(bound.kwargs)):
+            self._fixed[len(inputs)] = dict(bound.kwargs)  # only what fxnx fixes: use_cache=False
         return self.model(*bound.args, **bound.kwargs, **concrete)
 
     def backward(  # type: ignore[override]
@@ -386,7 +396,7 @@ class CreditRouter(nn.Module):
         fast = self._fast.get(collect)
         if fast is not None:
             guard, run, cap = fast
-            if guard == self._guard(cap, inputs, kwargs):
+            if guard == self._guard(cap, inputs, kwargs, plain=run.plain):
                 if run.plain:
                     return run, []
                 if not collect and not kwargs and self._positional:
@@ -415,10 +425,11 @@ class CreditRouter(nn.Module):
             run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
         self._plan = run.plan
+        self._fixed = {}  # bound afresh for this capture
         if isinstance(self.model, nn.Module):
             cap_ = dataclasses.replace(cap, model=None, inputs=None)
             self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
-            self._fast[collect] = (self._guard(cap_, inputs, kwargs), run, cap_)
+            self._fast[collect] = (self._guard(cap_, inputs, kwargs, plain=run.plain), run, cap_)
             if not collect:
                 # Inputs of this structure bind to the placeholders one by one, in order (the
                 # guard keeps the structure): later calls pass them on without binding them.
@@ -468,12 +479,18 @@ class CreditRouter(nn.Module):
         checked[id(cap.gm)] = weakref.ref(cap.gm)
         return seen
 
-    def _guard(self, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Any:
+    def _guard(self, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
+               *, plain: bool = False) -> Any:
+        """What must stay the same for the last capture to be reused. A ``plain`` run is the
+        model's own forward under autograd: an attribute's value cannot make it differ from
+        autograd, so only what the modules register is compared (a module added, replaced
+        or hooked still makes ``G`` another model's), not every value they hold."""
         watched = self._watched.get(id(cap.gm))
         if watched is None:
             return object()  # never equal: key the whole structure again
         params = [p.requires_grad for p in self._plan.params.values()] if self._plan else []
-        return (inputs_key(inputs, kwargs, shapes=cap.shape_specialised), params, fingerprint(watched))
+        modules = structure(watched) if plain else fingerprint(watched)
+        return (inputs_key(inputs, kwargs, shapes=cap.shape_specialised), params, modules)
 
     def _choose(self, call: NodeCall) -> tuple[Any, str]:
         """The rule bound to ``call``'s node: the user's by name, by kind, the preset's, exact."""
