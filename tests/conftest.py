@@ -78,3 +78,19 @@ def assert_graphs_equal(G, H) -> None:
     assert G.graph == H.graph
     assert list(G.nodes(data=True)) == list(H.nodes(data=True))
     assert list(G.edges(keys=True, data=True)) == list(H.edges(keys=True, data=True))
+
+
+@pytest.fixture
+def dot_runs(monkeypatch):
+    """The formats Graphviz's ``dot`` runs for while the test runs, in order (it still runs)."""
+    from fxnx import render
+
+    runs = []
+    real = render._run_dot
+
+    def counted(*args, **kwargs):
+        runs.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(render, "_run_dot", counted)
+    return runs

@@ -49,18 +49,6 @@ def _dot_inches(text: str) -> tuple[float, float]:
     return float(width), float(height)
 
 
-def _count_dot_runs(monkeypatch):
-    runs = []
-    real = render._run_dot
-
-    def counted(*args, **kwargs):
-        runs.append(args[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(render, "_run_dot", counted)
-    return runs
-
-
 def _no_depth_below_one(message: str) -> None:
     depths = [int(d) for d in re.findall(r"depth=(-?\d+)", message)]
     assert all(d >= 1 for d in depths), message
@@ -87,14 +75,14 @@ class Tail(torch.nn.Module):
 
 
 @needs_dot
-def test_a_png_that_fits_at_no_depth_is_refused_before_graphviz_runs(tmp_path, monkeypatch):
+def test_a_png_that_fits_at_no_depth_is_refused_before_graphviz_runs(tmp_path, monkeypatch, dot_runs):
     G = fxnx.convert(Tail(300), torch.zeros(1, 4))
     with pytest.warns(UserWarning, match="too large for a readable PNG even with modules collapsed "
                                          "below depth 1"):
         text = fxnx.draw(G, tmp_path / "g.dot").read_text()  # DOT text is still written
     width, height = _dot_inches(text)
     assert width * height > AREA_SLACK * render.PNG_AREA  # the oracle: dot's layout at depth 1
-    runs = _count_dot_runs(monkeypatch)
+    runs = dot_runs
     for path in (tmp_path / "g.png", None):  # a file, and a drawing for a notebook
         with pytest.raises(fxnx.FxnxValueError) as info:
             fxnx.draw(G, path)
@@ -110,9 +98,9 @@ def test_a_png_that_fits_at_no_depth_is_refused_before_graphviz_runs(tmp_path, m
 
 
 @needs_dot
-def test_a_png_past_graphvizs_limit_at_depth_1_names_a_dpi_that_fits(tmp_path, monkeypatch):
+def test_a_png_past_graphvizs_limit_at_depth_1_names_a_dpi_that_fits(tmp_path, monkeypatch, dot_runs):
     G = fxnx.convert(Tail(500), torch.zeros(1, 4))
-    runs = _count_dot_runs(monkeypatch)
+    runs = dot_runs
     with pytest.raises(fxnx.FxnxValueError, match="32767-pixel limit") as info:
         fxnx.draw(G, tmp_path / "g.png", depth=1)
     assert runs == []

@@ -147,26 +147,14 @@ def test_too_large_for_png_is_collapsed_with_a_warning(name, tmp_path):
 
 
 @needs_dot
-def test_a_png_too_large_at_the_asked_depth_is_refused(tmp_path, monkeypatch):
+def test_a_png_too_large_at_the_asked_depth_is_refused(tmp_path, monkeypatch, dot_runs):
     chain = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(60)))
     G = fxnx.convert(chain, torch.zeros(1, 2))
-    runs = _count_dot_runs(monkeypatch)
+    runs = dot_runs
     with pytest.raises(fxnx.FxnxValueError, match="32767-pixel limit"):
         fxnx.draw(G, tmp_path / "g.png", dpi=1200, depth=1)  # 60 ranks x 0.75 in x 1200 dpi
     assert not (tmp_path / "g.png").exists()
     assert runs == []  # refused from the prediction, before running Graphviz
-
-
-def _count_dot_runs(monkeypatch):
-    runs = []
-    real = render._run_dot
-
-    def counted(*args, **kwargs):
-        runs.append(args[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(render, "_run_dot", counted)
-    return runs
 
 
 def test_without_dot_a_clear_error_and_dot_text_still_works(tmp_path, monkeypatch):
@@ -306,9 +294,9 @@ def test_legend_shows_only_what_is_drawn():
 
 
 @needs_dot
-def test_densenet121_png_is_drawn_with_one_graphviz_run(tmp_path, monkeypatch, torchvision_model):
+def test_densenet121_png_is_drawn_with_one_graphviz_run(tmp_path, monkeypatch, torchvision_model, dot_runs):
     G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 224, 224))
-    runs = _count_dot_runs(monkeypatch)
+    runs = dot_runs
     with pytest.warns(UserWarning, match=r"collapsed below depth \d"):
         path = fxnx.draw(G, tmp_path / "densenet121.png")
     assert runs == ["png"]
@@ -318,8 +306,8 @@ def test_densenet121_png_is_drawn_with_one_graphviz_run(tmp_path, monkeypatch, t
 
 @needs_dot
 @pytest.mark.parametrize("suffix", ["png", "svg", "pdf"])
-def test_one_graphviz_run_per_drawing(suffix, tmp_path, monkeypatch):
-    runs = _count_dot_runs(monkeypatch)
+def test_one_graphviz_run_per_drawing(suffix, tmp_path, monkeypatch, dot_runs):
+    runs = dot_runs
     fxnx.draw(_zoo("nested_skip"), tmp_path / f"g.{suffix}")
     fxnx.draw(_zoo("nested_skip"), tmp_path / f"g1.{suffix}", depth=1)
     assert runs == [suffix, suffix]
@@ -408,8 +396,8 @@ def test_odd_node_names_round_trip_as_ids():
 
 
 @pytest.mark.parametrize("dpi", [-5, 0, 1.5, "96", True, 100_000])
-def test_dpi_is_checked_before_graphviz_runs(dpi, tmp_path, monkeypatch):
-    runs = _count_dot_runs(monkeypatch)
+def test_dpi_is_checked_before_graphviz_runs(dpi, tmp_path, monkeypatch, dot_runs):
+    runs = dot_runs
     with pytest.raises(fxnx.FxnxValueError, match=r"dpi must be a whole number from 1 to 1200"):
         fxnx.draw(_zoo("skip_block"), tmp_path / "g.png", dpi=dpi)
     assert runs == [] and list(tmp_path.iterdir()) == []
@@ -476,9 +464,9 @@ def test_a_slow_layout_without_modules_says_no_depth_helps(tmp_path, monkeypatch
 
 @needs_dot
 @pytest.mark.slow
-def test_densenet121_svg_keeps_every_node_with_a_bounded_layout(tmp_path, monkeypatch, torchvision_model):
+def test_densenet121_svg_keeps_every_node_with_a_bounded_layout(tmp_path, monkeypatch, torchvision_model, dot_runs):
     G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 224, 224))
-    runs = _count_dot_runs(monkeypatch)
+    runs = dot_runs
     svg = fxnx.draw(G, tmp_path / "densenet121.svg").read_text()
     assert runs == ["svg"]
     assert all(f'<g id="{node}" class="node">' in svg for node in G)
@@ -677,12 +665,12 @@ def test_constants_made_by_tracing_collapse_into_their_module():
 
 
 @needs_dot
-def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch):
+def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch, dot_runs):
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False).eval()
     G = fxnx.convert(model, torch.randn(1, 3, 224, 224))
-    runs = _count_dot_runs(monkeypatch)
+    runs = dot_runs
     with pytest.warns(UserWarning, match=r"collapsed below depth (\d)") as caught:
         path = fxnx.draw(G, tmp_path / "swin.png")
     assert runs == ["png"]
