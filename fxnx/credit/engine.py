@@ -360,7 +360,9 @@ class CreditRouter(nn.Module):
 
     def update_feedback(self, lr: float | None = None, weight_decay: float = 0.0) -> None:
         """Let learned feedback weights learn one step (:class:`~fxnx.KolenPollack`,
-        :class:`~fxnx.WeightMirror`); call it once per step, after the backward pass.
+        :class:`~fxnx.WeightMirror`); call it once per step, after the optimizer's step (a
+        mirror then reflects the ``W`` the next forward runs with; Kolen–Pollack's step reads
+        ``W.grad``, which plain SGD's step leaves as it was).
 
         Parameters
         ----------
