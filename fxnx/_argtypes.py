@@ -15,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import render as _render
-from .errors import FxnxError, first_line
+from ._drawing.fit import MAX_DPI as _MAX_DPI
+from ._drawing.graphviz import FORMATS as _FORMATS
+from ._errors import FxnxError, first_line
 
 __all__ = [
     "MAX_DPI",
@@ -42,7 +43,7 @@ __all__ = [
 #: Example inputs over this many elements (4 GiB of float32) are refused before allocating.
 MAX_INPUT_ELEMENTS = 2**30
 #: The highest ``--dpi``: the one fxnx.draw accepts.
-MAX_DPI = _render.MAX_DPI
+MAX_DPI = _MAX_DPI
 
 
 def shape(text: str) -> tuple[int, ...]:
@@ -303,7 +304,7 @@ def routes(text: str) -> str | tuple[str, ...]:
     if text == "auto":
         return text
     _needs_torch()
-    from .capturing.registry import ROUTES
+    from ._capture.registry import ROUTES
 
     names = tuple(text.split(","))
     unknown = [name for name in names if name not in ROUTES]
@@ -316,9 +317,9 @@ def routes(text: str) -> str | tuple[str, ...]:
 
 
 def rule(text: str) -> str:
-    """The name of a credit rule preset in ``fxnx.PRESETS`` (``exact``, ``usf``, ...)."""
+    """The name of a credit rule preset in ``fxnx.credit.PRESETS`` (``exact``, ``usf``, ...)."""
     _needs_torch()
-    from .credit import PRESETS
+    from ._credit import PRESETS
 
     if text not in PRESETS:
         raise argparse.ArgumentTypeError(f"unknown rule {text!r}; known rules: {', '.join(PRESETS)}")
@@ -416,7 +417,7 @@ def drawing(text: str) -> Path:
     argparse.ArgumentTypeError: cannot draw to 'graph.jpeg': give a .png, .svg, .pdf or .dot \
 file name
     """
-    return _file_named(text, tuple(f".{fmt}" for fmt in _render.FORMATS),
+    return _file_named(text, tuple(f".{fmt}" for fmt in _FORMATS),
                        "cannot draw to {name!r}: give a .png, .svg, .pdf or .dot file name")
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from .errors import FxnxError
+from ._errors import FxnxError
 
 __all__ = [
     "PRIVATE_APIS",

@@ -48,6 +48,10 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils.flop_counter import flop_registry
 
 from ._callinfo import fetch_attr
+from ._capture import TRACING_LOCK
+from ._capture.shapes import _ShapeProp
+from ._capture.shapes import propagate as propagate_shapes
+from ._capture.tracer import mha_fast_path_off
 from ._compat import (
     OpOverload,
     TorchDispatchMode,
@@ -57,12 +61,8 @@ from ._compat import (
     is_fake,
     op_schema,
 )
+from ._errors import ShapePropagationError
 from ._state import random_state_kept
-from .capturing import TRACING_LOCK
-from .capturing.shapes import _ShapeProp
-from .capturing.shapes import propagate as propagate_shapes
-from .capturing.tracer import mha_fast_path_off
-from .errors import ShapePropagationError
 
 __all__ = ["kernel", "node_flops", "propagate_and_count"]
 
@@ -304,7 +304,7 @@ class _CountingShapeProp(_ShapeProp):
 def propagate_and_count(
     gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool
 ) -> dict[str, tuple[int | None, int | None]] | None:
-    """Propagate shapes as :func:`fxnx.capturing.shapes.propagate` does, counting each
+    """Propagate shapes as :func:`fxnx._capture.shapes.propagate` does, counting each
     node's FLOPs and multiply-adds as it runs; return them by node name.
 
     torch's fused transformer fast path is off meanwhile, as while tracing: under
@@ -316,7 +316,7 @@ def propagate_and_count(
     Raises
     ------
     ShapePropagationError
-        As :func:`fxnx.capturing.shapes.propagate`: the inputs do not fit the model.
+        As :func:`fxnx._capture.shapes.propagate`: the inputs do not fit the model.
     """
     if TorchDispatchMode is None:  # pragma: no cover
         propagate_shapes(gm, model, inputs, fake)

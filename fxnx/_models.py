@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._argtypes import InputSpec
-from .errors import FxnxTypeError, FxnxValueError, first_line, warn_user
+from ._errors import FxnxTypeError, FxnxValueError, first_line, warn_user
 
 __all__ = [
     "DTYPES",

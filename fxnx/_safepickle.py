@@ -18,8 +18,8 @@ from typing import Any
 
 import networkx as nx
 
-from .contract import MAX_DEPTH
-from .errors import GraphFileError, UnsafePickleError
+from ._contract import MAX_DEPTH
+from ._errors import GraphFileError, UnsafePickleError
 
 __all__ = ["load"]
 

@@ -1,6 +1,6 @@
 """The package version, kept apart so every module can import it without cycles."""
 
-from .contract import FORMAT_VERSION
+from ._contract import FORMAT_VERSION
 
 __all__ = ["FORMAT_VERSION", "__version__"]
 

@@ -3,8 +3,8 @@
 For each model, in one run, interleaved run by run: ``convert`` as it is (FLOPs,
 multiply-adds, trainable parameters and kernel windows recorded) against ``convert`` with
 the FLOP count switched off, which is ``convert`` before costs: shape propagation without
-the counting mode (``fxnx.conversion.propagate_and_count`` replaced by torch.fx-style propagation
-alone) and no count on meta tensors for make_fx graphs (``fxnx.conversion.node_flops``
+the counting mode (``fxnx._convert.propagate_and_count`` replaced by torch.fx-style propagation
+alone) and no count on meta tensors for make_fx graphs (``fxnx._convert.node_flops``
 replaced by a function that counts nothing). The other cost attributes are read from
 attributes and arguments convert already has. Target: <= 1.10x.
 
@@ -34,9 +34,9 @@ import torchvision
 from bench import _interleaved  # scripts/ is on sys.path when this script runs
 
 import fxnx
-from fxnx import conversion
+from fxnx import _convert as conversion
+from fxnx._capture.shapes import propagate as propagate_shapes
 from fxnx._compat import TorchDispatchMode
-from fxnx.capturing.shapes import propagate as propagate_shapes
 
 
 def _resnet50() -> tuple[torch.nn.Module, tuple[Any, ...]]:

@@ -120,7 +120,7 @@ def _sides(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
         sides[preset] = lambda router=router: _step(router, loss_of, opt, inputs)
         try:
             sides[preset]()
-        except fxnx.FxnxError as err:  # the preset cannot route this model
+        except fxnx.errors.FxnxError as err:  # the preset cannot route this model
             print(f"{name}, {preset}: {err}", file=sys.stderr)
             del sides[preset]
     params = [p for p in model.parameters() if p.requires_grad]

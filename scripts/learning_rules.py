@@ -284,7 +284,7 @@ def _probe(run: Run, step: int, G, model: nn.Module, router, task: Task, x: Tens
     exact = fxnx.route_credit(G, model, x, output_credit=output_credit)
     ours = fxnx.route_credit(G, model, x, output_credit=output_credit, rule=run.rule,
                              seed=run.seed, feedback=router.feedback)
-    aligned = fxnx.credit_alignment(ours, exact, params=True)
+    aligned = fxnx.credit.credit_alignment(ours, exact, params=True)
     hidden = [name for name, p in model.named_parameters() if p.dim() > 1 and not name.startswith("out.")]
     run.credit_angle.append(statistics.fmean(aligned.get(n, {}).get("angle", float("nan")) for n in hidden))
 

@@ -41,11 +41,11 @@ def main() -> None:
     fxnx.route_credit(G, resnet18, x)  # leave the exact credit norms on G for the drawing
     fxnx.draw(fxnx.scope_subgraph(G, "layer2"), out / "resnet18_layer2_credit.png",
               color_by="credit_norm", dpi=150)
-    ax = fxnx.plot_credit_by_depth(G, {"exact (backprop)": exact.norms(),
+    ax = fxnx.plot.plot_credit_by_depth(G, {"exact (backprop)": exact.norms(),
                                        "feedback alignment": fa.norms()})
     ax.set_title("ResNet-18: credit norm by depth", fontsize=8)
     _save(ax, out / "credit_by_depth.png")
-    ax = fxnx.plot_alignment(G, fxnx.credit_alignment(fa, exact))
+    ax = fxnx.plot.plot_alignment(G, fxnx.credit.credit_alignment(fa, exact))
     ax.set_title("ResNet-18: feedback alignment vs exact credit", fontsize=8)
     _save(ax, out / "fa_alignment.png")
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
 
 import fxnx  # noqa: E402
-from fxnx.paths import path_length_counts, path_length_credit  # noqa: E402
+from fxnx._paths import path_length_counts, path_length_credit  # noqa: E402
 
 #: Okabe–Ito colours, with markers and dashes so the lines part in grayscale too.
 STYLES = [

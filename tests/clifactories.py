@@ -29,7 +29,7 @@ def run_hiding(hidden: tuple[str, ...], *argv: str, error: str = "ModuleNotFound
                cwd: Path | None = None, code: str | None = None) -> subprocess.CompletedProcess:
     """Run ``fxnx *argv`` (or Python ``code``) in a fresh Python that cannot import the packages
     ``hidden``: as if they were not installed (``ModuleNotFoundError``) or broken (``error``)."""
-    code = code or "from fxnx.cli import main\nraise SystemExit(main())\n"
+    code = code or "from fxnx._cli import main\nraise SystemExit(main())\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_TESTS.parent), str(_TESTS)])}
     return subprocess.run(
         [sys.executable, "-c", _HIDE.format(hidden=hidden, error=error) + code, *argv],

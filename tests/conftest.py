@@ -83,14 +83,14 @@ def assert_graphs_equal(G, H) -> None:
 @pytest.fixture
 def dot_runs(monkeypatch):
     """The formats Graphviz's ``dot`` runs for while the test runs, in order (it still runs)."""
-    from fxnx import render
+    from fxnx import _drawing as dr
 
     runs = []
-    real = render._run_dot
+    real = dr.graphviz.run_dot
 
     def counted(*args, **kwargs):
         runs.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(render, "_run_dot", counted)
+    monkeypatch.setattr(dr.graphviz, "run_dot", counted)
     return runs

@@ -136,7 +136,7 @@ def test_summary_of_resnet18(torchvision_model):
         "node": "conv1", "shape": (1, 64, 112, 112), "nbytes": 64 * 112 * 112 * 4,
     }
     assert info["targets"]["torch.nn.modules.conv.Conv2d"] == 20
-    text = fxnx.format_summary(info)
+    text = fxnx._analysis.format_summary(info)
     assert ("skip connections      8 (5 identity, 3 with a projection; 0 other parallel branches)"
             in text)
     assert "11,689,512" in text
@@ -201,7 +201,7 @@ def test_scope_subgraph_of_a_densenet_block(torchvision_model):
     assert sum(d["target"] == "torch.cat" for _, d in block.nodes(data=True)) == 7
     with_inputs = fxnx.scope_subgraph(G, "features.denseblock1")
     assert set(with_inputs) - set(block) == {"features_pool0"}
-    with pytest.raises(fxnx.FxnxValueError, match="no node of G is inside scope 'features.nope'"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="no node of G is inside scope 'features.nope'"):
         fxnx.scope_subgraph(G, "features.nope")
 
 

@@ -94,7 +94,7 @@ def _check_joint(G, cap, model, x):
 def test_joint_graph_of_an_mlp():
     model, x = _mlp(), torch.randn(5, 4, dtype=torch.float64)
     cap = fxnx.capture(model, (x,), level="joint")
-    G = fxnx.graph_from_capture(cap)
+    G = fxnx._convert.graph_from_capture(cap)
     assert G.graph["level"] == "joint" and G.graph["capture"] == "make_fx"
     assert list(G.graph["primals"]) == [f"primals_{i}" for i in range(1, 8)]
     assert [p["name"] for p in G.graph["primals"].values()] == [
@@ -116,7 +116,7 @@ def test_joint_graph_of_resnet18(torchvision_model):
     model = _resnet18(torchvision_model)
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     cap = fxnx.capture(model, (x,), level="joint")
-    G = fxnx.graph_from_capture(cap)
+    G = fxnx._convert.graph_from_capture(cap)
     params = dict(model.named_parameters())
     assert set(G.graph["gradients"]) == {*params, "x"}
     for name, node in G.graph["gradients"].items():
@@ -142,7 +142,7 @@ def test_aten_level_is_the_forward_pass_alone(torchvision_model):
     model = _resnet18(torchvision_model)
     x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
     cap = fxnx.capture(model, (x,), level="aten")
-    G = fxnx.graph_from_capture(cap)
+    G = fxnx._convert.graph_from_capture(cap)
     assert G.graph["level"] == "aten" and G.graph["tangents"] == {} and G.graph["gradients"] == {}
     assert {d["phase"] for _, d in G.nodes(data=True)} == {"forward"}
     recorder = _Recorder(cap.gm)
@@ -212,9 +212,9 @@ def test_joint_graph_draws_with_its_backward_pass_marked(tmp_path):
 @pytest.mark.parametrize(
     ("model", "inputs", "options", "error", "match"),
     [
-        (nn.Linear(4, 2), (), dict(level="joint"), fxnx.FxnxTypeError, "pass example inputs"),
-        (nn.Linear(4, 2), (torch.randn(1, 4),), dict(level="grad"), fxnx.FxnxValueError, "level must be"),
-        (lambda x: x.argmax(-1), (torch.randn(2, 3),), dict(level="joint"), fxnx.FxnxValueError,
+        (nn.Linear(4, 2), (), dict(level="joint"), fxnx.errors.FxnxTypeError, "pass example inputs"),
+        (nn.Linear(4, 2), (torch.randn(1, 4),), dict(level="grad"), fxnx.errors.FxnxValueError, "level must be"),
+        (lambda x: x.argmax(-1), (torch.randn(2, 3),), dict(level="joint"), fxnx.errors.FxnxValueError,
          "no floating-point output"),
     ],
 )
@@ -226,7 +226,7 @@ def test_bad_levels_and_inputs(model, inputs, options, error, match):
 def test_credit_is_not_routed_over_a_joint_graph():
     model, x = _mlp(), torch.randn(2, 4, dtype=torch.float64)
     G = fxnx.convert(model, x, level="joint")
-    with pytest.raises(fxnx.FxnxValueError, match="level='module'"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="level='module'"):
         fxnx.route_credit(G, model, x)
 
 

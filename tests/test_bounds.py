@@ -17,7 +17,7 @@ import networkx as nx
 import pytest
 
 import fxnx
-from fxnx import analysis
+from fxnx import _analysis as analysis
 
 TESTS = Path(__file__).parent
 
@@ -274,7 +274,7 @@ def _cyclic() -> nx.MultiDiGraph:
         "to_pydot-depth", "draw-dot", "draw-png", "draw-svg-checks"])
 def test_a_cycle_is_one_error_naming_its_nodes(call, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(fxnx.GraphContractError,
+    with pytest.raises(fxnx.errors.GraphContractError,
                        match=r"^G has a cycle through 'a' -> 'b' -> 'a': .*fxnx\.validate\(G\)"):
         call(_cyclic())
     assert list(tmp_path.iterdir()) == []
@@ -283,7 +283,7 @@ def test_a_cycle_is_one_error_naming_its_nodes(call, tmp_path, monkeypatch):
 def test_a_long_cycle_is_named_by_its_first_nodes():
     G = nx.MultiDiGraph()
     nx.add_cycle(G, [f"{'n' * 1000}{i}" for i in range(500)])
-    with pytest.raises(fxnx.GraphContractError) as info:
+    with pytest.raises(fxnx.errors.GraphContractError) as info:
         fxnx.skip_connections(G)
     message = str(info.value)
     assert "\n" not in message and len(message) < 600 and "(500 nodes)" in message
@@ -296,20 +296,20 @@ def test_collapsing_2000_modules_that_each_close_a_cycle_takes_seconds(tmp_path)
     # Each cycle found cost a rebuild of the whole view: minutes for a 500 KB file.
     out = _within(30, f"""
         import pickle, warnings
-        from fxnx import render
+        from fxnx import _drawing as dr
         G = called_around(2000, plain=400)
         print(len(pickle.dumps(G)) // 1000)
-        view = render.collapse(G, 1)
+        view = dr.view.collapse(G, 1)
         # by hand: every module called around an outside op stays expanded, the others collapse
         assert set(view) == set(G) - {{n for n in G if n.startswith("p")}} | {{
             f"p{{i}}" for i in range(400)}}
         fxnx.draw(G, {str(tmp_path / "g.dot")!r}, depth=1)
-        render._run_dot = lambda *args: (b"", "")  # the time before Graphviz runs
+        dr.graphviz.run_dot = lambda *args: (b"", "")  # the time before Graphviz runs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 fxnx.draw(G, {str(tmp_path / "g.png")!r})
-            except fxnx.FxnxValueError as err:  # too large for a PNG at depth 1: said at once
+            except fxnx.errors.FxnxValueError as err:  # too large for a PNG at depth 1: said at once
                 assert "too large for a readable PNG even with modules collapsed" in str(err)
     """)
     assert 400 <= int(out) <= 600  # KB pickled: the size of the file that took minutes
@@ -319,10 +319,10 @@ def test_modules_nested_thousands_deep_draw_in_seconds(tmp_path):
     # Before: a RecursionError writing .dot, and 90 s choosing a PNG's depth (a 34 KB file).
     _within(30, f"""
         import warnings
-        from fxnx import render
+        from fxnx import _drawing as dr
         G = nested(4000, 400)
         fxnx.draw(G, {str(tmp_path / "g.dot")!r}, depth=4000)  # every node, every box
-        render._run_dot = lambda *args: (b"", "")
+        dr.graphviz.run_dot = lambda *args: (b"", "")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fxnx.draw(G, {str(tmp_path / "g.png")!r})
@@ -332,11 +332,11 @@ def test_modules_nested_thousands_deep_draw_in_seconds(tmp_path):
 
 
 def test_collapse_keeps_the_shallow_views_of_deep_modules():
-    from fxnx import render
+    from fxnx import _drawing as dr
 
     G = nested(40, 6)
-    assert render.module_depth(G) == 32
-    assert sorted(render.collapse(G, 2)) == ["a.a", "n0", "n1", "n2", "output", "x"]
+    assert dr.view.module_depth(G) == 32
+    assert sorted(dr.view.collapse(G, 2)) == ["a.a", "n0", "n1", "n2", "output", "x"]
 
 
 # --- drawings: bounded size ------------------------------------------------------------------
@@ -371,7 +371,7 @@ def _long_strings(shared: bool) -> nx.MultiDiGraph:
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-strings", "shared-strings"])
 def test_dot_text_is_a_small_multiple_of_the_graph_file(shared, tmp_path):
-    from fxnx import render
+    from fxnx import _drawing as dr
 
     G = _long_strings(shared)
     fxnx.write_pickle(G, tmp_path / "g.pkl")
@@ -379,7 +379,7 @@ def test_dot_text_is_a_small_multiple_of_the_graph_file(shared, tmp_path):
         fxnx.draw(G, tmp_path / "g.dot", depth=depth)
         size = (tmp_path / "g.dot").stat().st_size
         assert size <= 4 * (tmp_path / "g.pkl").stat().st_size  # was 20 to 200 times
-        P, view = fxnx.to_pydot(G, depth=depth), render._view(render.without_checks(G), depth)
+        P, view = fxnx.to_pydot(G, depth=depth), dr.view.view_of(dr.view.without_checks(G), depth)
         # The file is to_pydot's text plus the graph attributes draw gives dot (dpi, and the
         # layout's limits on a large graph), one line each.
         given = ("dpi=", "mclimit=", "nslimit=", "nslimit1=", "searchsize=")
@@ -392,7 +392,7 @@ def test_dot_text_is_a_small_multiple_of_the_graph_file(shared, tmp_path):
 
 
 def test_long_names_keep_their_start_and_ids_stay_distinct():
-    from fxnx import _style
+    from fxnx._drawing import style as _style
 
     a, b = "x" * 200 + "a", "x" * 200 + "b"
     assert _style.node_id(a) != _style.node_id(b)

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 import fxnx
-from fxnx import capturing
-from fxnx.capturing import reuse
-from fxnx.capturing.common import Route
-from fxnx.capturing.registry import ROUTES
+from fxnx import _capture as capturing
+from fxnx._capture import reuse
+from fxnx._capture.common import Route
+from fxnx._capture.registry import ROUTES
 
 from blocktorch import run_without_torch
 
@@ -80,7 +80,7 @@ def _autograd(model, x, **kwargs):
 
 def test_the_registry_is_a_dict_of_every_route_module_in_auto_order():
     modules = {
-        name: importlib.import_module(f"fxnx.capturing.{name}")
+        name: importlib.import_module(f"fxnx._capture.{name}")
         for _, name, _ in pkgutil.iter_modules(capturing.__path__)
     }
     with_route = {name: mod.ROUTE for name, mod in modules.items() if hasattr(mod, "ROUTE")}
@@ -136,7 +136,7 @@ def test_without_the_stored_options_the_graph_would_not_match():
     model, x = Net().double(), torch.randn(3, 4, dtype=torch.float64)
     G = fxnx.convert(model, x, leaf_modules=[Block])
     G.graph["capture_options"]["leaf_modules"] = []
-    with pytest.raises(fxnx.FxnxValueError, match="G lacks nodes the model computes"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="G lacks nodes the model computes"):
         fxnx.route_credit(G, model, x)
 
 
@@ -165,7 +165,7 @@ def test_a_concrete_arg_a_graph_cannot_hold_must_be_passed_again():
     G = fxnx.convert(Scaled(), x, concrete_args={"scale": scale})
     assert G.graph["capture_options"]["concrete_args"] == {"scale": {"fxnx_unstored": "torch.Tensor"}}
     fxnx.validate(G)
-    with pytest.raises(fxnx.FxnxValueError, match=r"concrete_args 'scale' fixed to a value a graph cannot store"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"concrete_args 'scale' fixed to a value a graph cannot store"):
         fxnx.route_credit(G, Scaled(), x)
     res = fxnx.route_credit(G, Scaled(), x, concrete_args={"scale": scale})
     assert torch.equal(res.node_credit["x"], torch.full_like(x, 3.0))
@@ -190,10 +190,10 @@ def test_capture_options_round_trip_and_load_without_torch(tmp_path):
 def test_a_broken_capture_options_value_is_refused():
     G = fxnx.convert(Net(), torch.randn(2, 4))
     G.graph["capture_options"]["level"] = "deep"
-    with pytest.raises(fxnx.GraphContractError, match="capture_options"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="capture_options"):
         fxnx.validate(G)
     del G.graph["capture_options"]
-    with pytest.raises(fxnx.GraphContractError, match="lacks attribute 'capture_options'"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="lacks attribute 'capture_options'"):
         fxnx.validate(G)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fxnx
-from fxnx.cli import main
+from fxnx._cli import main
 
 from blocktorch import run_without_torch
 
@@ -96,13 +96,13 @@ def test_real_process_convert_then_info_without_torch(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    info = run_without_torch("from fxnx.cli import main; raise SystemExit(main())", "info", str(out))
+    info = run_without_torch("from fxnx._cli import main; raise SystemExit(main())", "info", str(out))
     assert info.returncode == 0, info.stderr
     assert "skip connections      8" in info.stdout
 
 
 def test_batch_convert_to_a_folder_with_json_and_png(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("fxnx.cli._interactive", lambda: True)
+    monkeypatch.setattr("fxnx._cli._interactive", lambda: True)
     out = tmp_path / "graphs"
     argv = ["convert", "resnet18", "mobilenet_v3_small", "--input-shape", "1,3,32,32",
             "-o", str(out), "--json", "--png"]
@@ -145,7 +145,7 @@ def test_credit_routes_and_draws(tmp_path, capsys):
 
 def test_draw_a_saved_graph_without_torch(tmp_path):
     main(["convert", "resnet50", "--input-shape", "1,3,32,32", "-o", str(tmp_path / "r.pkl")])
-    code = "from fxnx.cli import main; raise SystemExit(main())"
+    code = "from fxnx._cli import main; raise SystemExit(main())"
     done = run_without_torch(code, "draw", str(tmp_path / "r.pkl"), "-o", str(tmp_path / "r.png"),
                              "--depth", "1")
     assert done.returncode == 0, done.stderr
@@ -410,7 +410,7 @@ def test_an_unexpected_error_is_one_line_with_its_type(bad_files, capsys, monkey
     def broken(G):
         raise ZeroDivisionError("deep inside\nsecond line")
 
-    monkeypatch.setattr("fxnx.cli.summary", broken)
+    monkeypatch.setattr("fxnx._cli.summary", broken)
     assert main(["info", "tiny.pkl"]) == 1
     assert capsys.readouterr().err == (
         "fxnx info: error: ZeroDivisionError: deep inside (set FXNX_TRACEBACK=1 to see the "
@@ -497,7 +497,7 @@ def test_credit_help_names_every_preset(capsys):
         main(["credit", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     named = help_text.split("credit rule preset: ")[1].split(" (default")[0].split(" --")[0]
-    assert sorted(name.strip(" ,.") for name in named.split(", ")) == sorted(fxnx.PRESETS)
+    assert sorted(name.strip(" ,.") for name in named.split(", ")) == sorted(fxnx.credit.PRESETS)
 
 
 def test_info_shows_the_cost_table_and_json(tmp_path, capsys):
@@ -561,7 +561,7 @@ def test_credit_keeps_a_failing_submodule_whole_when_asked(tmp_path, capsys):
 
 
 def test_convert_and_credit_share_their_model_input_and_capture_options():
-    from fxnx.cli import _parser
+    from fxnx._cli import _parser
 
     def options(command: str) -> dict:
         sub = _parser()._subparsers._group_actions[0].choices[command]

@@ -19,8 +19,8 @@ from clifactories import run_hiding
 
 import fxnx
 from fxnx._argtypes import input_spec
+from fxnx._cli import main
 from fxnx._models import example_inputs
-from fxnx.cli import main
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -211,7 +211,7 @@ class _Slow:
                 time.sleep(0.1)
         return None
 sys.meta_path.insert(0, _Slow())
-from fxnx.cli import main
+from fxnx._cli import main
 raise SystemExit(main())
 """
 
@@ -272,7 +272,7 @@ WARNING = "fxnx convert: warning: this model warns while it runs"
 
 
 def test_a_warning_during_the_progress_line_has_its_own_line(capsys, monkeypatch):
-    monkeypatch.setattr("fxnx.cli._interactive", lambda: True)
+    monkeypatch.setattr("fxnx._cli._interactive", lambda: True)
     assert main(["convert", "clifactories:warns", "--input-shape", "2,3"]) == 0
     lines = capsys.readouterr().err.split("\n")
     assert lines[-1] == ""
@@ -283,7 +283,7 @@ def test_a_warning_during_the_progress_line_has_its_own_line(capsys, monkeypatch
 
 
 def test_an_error_during_the_progress_line_has_its_own_line(capsys, monkeypatch):
-    monkeypatch.setattr("fxnx.cli._interactive", lambda: True)
+    monkeypatch.setattr("fxnx._cli._interactive", lambda: True)
     assert main(["convert", "clifactories:exits_in_forward", "--input-shape", "2,3"]) == 1
     assert capsys.readouterr().err.split("\n") == [
         "[1/1] clifactories:exits_in_forward: building, tracing, propagating shapes…",

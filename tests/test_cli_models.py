@@ -11,8 +11,8 @@ import torch
 from clifactories import run_hiding
 
 import fxnx
+from fxnx._cli import main
 from fxnx._models import load_model
-from fxnx.cli import main
 
 
 def _parameters(summary: str) -> int:
@@ -59,7 +59,7 @@ def test_without_torchvision_and_matplotlib_the_library_and_the_cli_work(tmp_pat
         "(want,) = torch.autograd.grad(model(x_).sum(), x_)\n"
         "assert torch.equal(res.node_credit['input_1'], want)\n"
         "fxnx.draw(G, 'g.dot')\n"
-        "from fxnx.cli import main\n"
+        "from fxnx._cli import main\n"
         "raise SystemExit(main())\n"
     )
     done = run_hiding(("torchvision", "matplotlib"), "convert", "clifactories:tiny", "--input-shape",

@@ -150,7 +150,7 @@ def test_joint_graph_without_sequence_numbers(monkeypatch):
     """Without _sequence_nr, backward ops still get the scope their inputs share."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     x = torch.randn(2, 3)
-    monkeypatch.setattr("fxnx.capturing.make_fx.sequence_nr", lambda fn: None)
+    monkeypatch.setattr("fxnx._capture.make_fx.sequence_nr", lambda fn: None)
     G = fxnx.convert(model, x, level="joint")
     backward = [d for _, d in G.nodes(data=True) if d["phase"] == "backward"]
     assert backward and G.graph["gradients"]["0.weight"] in G
@@ -162,7 +162,7 @@ def test_conv_feedback_matches_the_layers_own_forward():
     x = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
     B = torch.randn_like(conv.weight)
     credit = torch.randn(1, 3, 5, 5, dtype=torch.float64)
-    from fxnx.credit.transport import _input_credit
+    from fxnx._credit.transport import _input_credit
 
     got = _input_credit(conv, x.detach(), credit, B)
     padded = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fxnx
-from fxnx.contract import PRESENCE
+from fxnx._contract import PRESENCE
 
 from zoo import CASES
 
@@ -29,8 +29,8 @@ CAPTURES = {
 def _convert(case, **options):
     try:
         return fxnx.convert(case.build(), *case.inputs(), kwargs=case.kwargs(), **options)
-    except (fxnx.CaptureError, fxnx.FxnxValueError) as err:  # e.g. joint on an int output
-        pytest.skip(f"convert refuses this case: {fxnx.errors.first_line(err)}")
+    except (fxnx.errors.CaptureError, fxnx.errors.FxnxValueError) as err:  # e.g. joint on an int output
+        pytest.skip(f"convert refuses this case: {fxnx._errors.first_line(err)}")
 
 
 def _all_forms(G):
@@ -149,16 +149,16 @@ BROKEN = {
 def test_a_broken_graph_names_what_is_wrong(case):
     edit, message = BROKEN[case]
     G = _broken(edit)
-    with pytest.raises(fxnx.GraphContractError, match=message):
+    with pytest.raises(fxnx.errors.GraphContractError, match=message):
         fxnx.validate(G)
 
 
 def test_empty_and_non_multidigraph_graphs_are_refused():
-    with pytest.raises(fxnx.GraphContractError, match="G has no nodes"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="G has no nodes"):
         fxnx.validate(nx.MultiDiGraph(**_graph().graph))
-    with pytest.raises(fxnx.GraphContractError, match="must be a networkx.MultiDiGraph, got DiGraph"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="must be a networkx.MultiDiGraph, got DiGraph"):
         fxnx.validate(nx.DiGraph(_graph()))
-    with pytest.raises(fxnx.GraphContractError, match="must be a networkx.MultiDiGraph, got dict"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="must be a networkx.MultiDiGraph, got dict"):
         fxnx.validate({})
 
 
@@ -166,11 +166,11 @@ def test_empty_and_non_multidigraph_graphs_are_refused():
     ("version", "message"),
     [("2", "must be an int .*got str '2'"), (2.0, "got float 2.0"), (99.5, "got float 99.5"),
      (True, "got bool True"), (-1, "got int -1"), (None, "got NoneType"),
-     (fxnx.FORMAT_VERSION + 1, r"newer than the 4 this fxnx knows: upgrade fxnx \(pip install -U fxnx\)")],
+     (fxnx.contract.FORMAT_VERSION + 1, r"newer than the 4 this fxnx knows: upgrade fxnx \(pip install -U fxnx\)")],
 )
 def test_format_version_must_be_an_int_this_fxnx_knows(version, message):
     G = _broken(_set_graph("format_version", version))
-    with pytest.raises(fxnx.GraphContractError, match=message):
+    with pytest.raises(fxnx.errors.GraphContractError, match=message):
         fxnx.validate(G)
 
 
@@ -214,17 +214,17 @@ def _doc_tables() -> dict[str, set[tuple[str, str, str]]]:
 def test_docs_list_every_attribute_of_the_contract_and_no_other():
     code = {
         where: {(a.name, a.kind, PRESENCE[a.present]) for a in table}
-        for where, table in (("graph", fxnx.GRAPH_ATTRIBUTES), ("node", fxnx.NODE_ATTRIBUTES),
-                             ("edge", fxnx.EDGE_ATTRIBUTES))
+        for where, table in (("graph", fxnx.contract.GRAPH_ATTRIBUTES), ("node", fxnx.contract.NODE_ATTRIBUTES),
+                             ("edge", fxnx.contract.EDGE_ATTRIBUTES))
     }
     assert _doc_tables() == code
     # Every attribute a converted graph has is in the tables (the tables miss nothing convert writes).
     G = _graph()
-    assert set(G.graph) <= {a.name for a in fxnx.GRAPH_ATTRIBUTES}
+    assert set(G.graph) <= {a.name for a in fxnx.contract.GRAPH_ATTRIBUTES}
     for _, data in G.nodes(data=True):
-        assert set(data) <= {a.name for a in fxnx.NODE_ATTRIBUTES}
+        assert set(data) <= {a.name for a in fxnx.contract.NODE_ATTRIBUTES}
     for *_, data in G.edges(data=True):
-        assert set(data) <= {a.name for a in fxnx.EDGE_ATTRIBUTES}
+        assert set(data) <= {a.name for a in fxnx.contract.EDGE_ATTRIBUTES}
 
 
 def test_contract_module_needs_no_torch():
@@ -233,11 +233,11 @@ def test_contract_module_needs_no_torch():
     done = run_without_torch(
         """
         import sys, networkx as nx, fxnx
-        from fxnx import contract
+        from fxnx import _contract as contract
         assert "torch" not in sys.modules
         try:
             contract.validate(nx.MultiDiGraph())
-        except fxnx.GraphContractError as err:
+        except fxnx.errors.GraphContractError as err:
             print(err)
         """
     )
@@ -261,5 +261,5 @@ def test_a_format_1_graph_without_capture_options_is_read_and_routed(tmp_path):
     (expected,) = torch.autograd.grad(model(x_).sum(), x_)
     assert torch.allclose(res.node_credit["input_1"], expected, rtol=1e-12, atol=0)
     G.graph["format_version"] = 2  # from format 2 on, it must be there
-    with pytest.raises(fxnx.GraphContractError, match="lacks attribute 'capture_options'"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="lacks attribute 'capture_options'"):
         fxnx.validate(G)

@@ -167,7 +167,7 @@ def test_resnet18_attributes(torchvision_model):
     G = fxnx.convert(torchvision_model("resnet18"), torch.randn(2, 3, 224, 224))
     assert G.graph["model"] == "torchvision.models.resnet.ResNet"
     assert G.graph["capture"] == "symbolic_trace"
-    assert G.graph["format_version"] == fxnx.FORMAT_VERSION == 4
+    assert G.graph["format_version"] == fxnx.contract.FORMAT_VERSION == 4
     assert G.graph["torch_version"] == torch.__version__
     assert G.graph["inputs"] == [{"name": "x", "shape": (2, 3, 224, 224), "dtype": "torch.float32"}]
     assert G.graph["modules"]["layer1.0"] == "torchvision.models.resnet.BasicBlock"
@@ -389,7 +389,7 @@ def test_input_shape_for_several_inputs_and_its_errors():
 
     G = fxnx.convert(f, input_shape=[(2, 3), (2, 5)], dtype=torch.float64)
     assert G.nodes["cat"]["out_shape"] == (2, 8) and G.nodes["cat"]["out_dtype"] == "torch.float64"
-    with pytest.raises(fxnx.FxnxTypeError, match="example inputs or input_shape, not both"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="example inputs or input_shape, not both"):
         fxnx.convert(f, torch.zeros(2, 3), input_shape=[(2, 3), (2, 5)])
 
 
@@ -399,7 +399,7 @@ def test_converting_leaves_the_garbage_collector_as_it_was():
     assert gc.isenabled()
     fxnx.convert(torch.nn.Linear(3, 2), torch.randn(1, 3))
     assert gc.isenabled()
-    with pytest.raises(fxnx.ShapePropagationError):
+    with pytest.raises(fxnx.errors.ShapePropagationError):
         fxnx.convert(torch.nn.Linear(3, 2), torch.randn(1, 4))
     assert gc.isenabled()
     gc.disable()

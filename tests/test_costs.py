@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxnx
 from fxnx import _costs
-from fxnx.capturing import capture
+from fxnx._capture import capture
 from fxnx.frames import cost_summary, module_costs
 
 timm = pytest.importorskip("timm")
@@ -178,7 +178,7 @@ def test_a_node_the_metadata_cannot_replay_is_none_and_so_is_the_total():
     """graph_from_capture counts an already propagated capture on meta tensors, which hold
     no values: .item() has none to give."""
     cap = capture(_ReadsAValue(), (torch.ones(3, 4),))
-    G = fxnx.graph_from_capture(cap)
+    G = fxnx._convert.graph_from_capture(cap)
     flops = dict(G.nodes(data="flops"))
     assert flops["mm"] == 2 * 3 * 4 * 3  # still counted: its inputs are tensors of known shape
     assert flops["item"] is None and flops["mul"] is None
@@ -191,7 +191,7 @@ def test_counting_a_capture_on_meta_tensors_agrees_with_counting_its_propagation
     name, torchvision_model
 ):
     model, inputs = _model(name, torchvision_model)
-    H = fxnx.graph_from_capture(capture(model, inputs))
+    H = fxnx._convert.graph_from_capture(capture(model, inputs))
     G = fxnx.convert(model, *inputs)
     assert dict(H.nodes(data="flops")) == dict(G.nodes(data="flops"))
     assert H.graph["flops"] == G.graph["flops"] == _oracle(model, *inputs).get_total_flops()
@@ -369,7 +369,7 @@ def test_broken_costs_are_named(case):
     G = fxnx.convert(nn.Sequential(nn.Conv2d(1, 2, 3)), torch.randn(1, 1, 5, 5))
     edit, message = BROKEN[case]
     edit(G)
-    with pytest.raises(fxnx.GraphContractError, match=message):
+    with pytest.raises(fxnx.errors.GraphContractError, match=message):
         fxnx.validate(G)
 
 

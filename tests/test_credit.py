@@ -362,7 +362,7 @@ def test_random_feedback_differs_and_is_reproducible():
     c = fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=4)
     assert torch.equal(a.node_credit["x"], b.node_credit["x"])
     assert not torch.equal(a.node_credit["x"], c.node_credit["x"])
-    angles = fxnx.credit_alignment(a, exact)
+    angles = fxnx.credit.credit_alignment(a, exact)
     assert angles["fc"]["angle"] < 1e-6  # nothing above fc: its credit is exact
     assert angles["flatten"]["angle"] > 30  # through a random B: another direction
     assert angles["layer1_0_conv1"]["rel_error"] > 0.5
@@ -431,7 +431,7 @@ def test_user_rule_by_kind_and_a_preset_of_ones_own():
 
     res = fxnx.route_credit(G, model, x, rules={nn.Tanh: block})
     assert res.node_credit["_0"] is None and res.rules["_1"] == "block"
-    res = fxnx.route_credit(G, model, x, rule=fxnx.Preset("block_tanh", {nn.Tanh: block}))
+    res = fxnx.route_credit(G, model, x, rule=fxnx.credit.Preset("block_tanh", {nn.Tanh: block}))
     assert res.node_credit["_0"] is None and res.rules["_1"] == "block"
     assert res.rule == "block_tanh" and G.graph["credit_rule"] == "block_tanh"
 
@@ -464,14 +464,14 @@ def test_a_cycle_is_refused():
     G, model, x = _skip()
     u, v, data = next(iter(G.in_edges("lin", data=True)))
     G.add_edge("add", "lin", **data)
-    with pytest.raises(fxnx.FxnxValueError, match=r"G has a cycle \(.*'add' -> 'lin'"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"G has a cycle \(.*'add' -> 'lin'"):
         fxnx.route_credit(G, model, x)
 
 
 def test_a_missing_node_is_refused():
     G, model, x = _skip()
     G.remove_node("relu")
-    with pytest.raises(fxnx.FxnxValueError, match=r"lacks nodes the model computes: \['relu'\]"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"lacks nodes the model computes: \['relu'\]"):
         fxnx.route_credit(G, model, x)
 
 
@@ -479,19 +479,19 @@ def test_an_edge_the_model_lacks_is_refused():
     G, model, x = _skip()
     (_, _, data), *_ = G.in_edges("relu", data=True)
     G.add_edge("x", "relu", **data)  # a well-formed edge the model does not have
-    with pytest.raises(fxnx.FxnxValueError, match="x -> relu .* not an input of node 'relu'"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="x -> relu .* not an input of node 'relu'"):
         fxnx.route_credit(G, model, x)
 
 
 def test_a_graph_of_another_model_is_refused():
     G, _, x = _skip()
-    with pytest.raises(fxnx.FxnxValueError, match="lacks nodes"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="lacks nodes"):
         fxnx.route_credit(G, nn.Sequential(nn.Linear(4, 4)), x)
 
 
 def test_output_credit_of_the_wrong_shape_is_refused():
     G, model, x = _skip()
-    with pytest.raises(fxnx.FxnxValueError, match=r"output_credit has shape \(3,\)"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"output_credit has shape \(3,\)"):
         fxnx.route_credit(G, model, x, output_credit=torch.ones(3))
     with pytest.raises(TypeError, match="MultiDiGraph"):
         fxnx.route_credit(nx.DiGraph(), model, x)
@@ -535,7 +535,7 @@ def test_method_and_hidden_inplace_writes_route_as_out_of_place():
 @pytest.mark.parametrize("given", [1.0, 1, "ones", (1.0,)], ids=["float", "int", "str", "tuple"])
 def test_output_credit_of_the_wrong_kind_names_what_was_expected(given):
     G, model, x = _skip()
-    with pytest.raises(fxnx.FxnxTypeError, match=r"output_credit must be a tensor of shape \(2, 4\)"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match=r"output_credit must be a tensor of shape \(2, 4\)"):
         fxnx.route_credit(G, model, x, output_credit=given)
 
 
@@ -555,14 +555,14 @@ class _TwoOutputs(nn.Module):
 
 def test_a_wrong_input_shape_names_the_node():
     G, model, x = _skip()
-    with pytest.raises(fxnx.ShapePropagationError, match=r"(?s)fx node '.*' \(call_module .*Linear.*input shapes"):
+    with pytest.raises(fxnx.errors.ShapePropagationError, match=r"(?s)fx node '.*' \(call_module .*Linear.*input shapes"):
         fxnx.route_credit(G, model, torch.randn(3, 7))
 
 
 def test_a_graph_that_breaks_the_contract_is_refused_by_name():
     G, model, x = _skip()
     G.nodes["lin"]["num_params"] = "many"
-    with pytest.raises(fxnx.GraphContractError, match=r"node 'lin'.*num_params"):
+    with pytest.raises(fxnx.errors.GraphContractError, match=r"node 'lin'.*num_params"):
         fxnx.route_credit(G, model, x)
 
 
@@ -636,7 +636,7 @@ def test_a_tensor_constant_leaves_no_attribute_on_the_model():
 
 class _CountingCapture:
     def __init__(self, monkeypatch):
-        from fxnx.capturing import reuse as _reuse
+        from fxnx._capture import reuse as _reuse
 
         self.calls = 0
         real = _reuse.capture
@@ -766,7 +766,7 @@ def test_the_kept_capture_stays_out_of_copies_and_pickles():
     G = fxnx.convert(model, x)
     fxnx.route_credit(G, model, x)
     plain = pickle.dumps(G)  # what a user's own pickle.dump writes
-    assert b"fxnx.capturing" not in plain and b"GraphModule" not in plain and b"torch.fx" not in plain
+    assert b"fxnx._capture" not in plain and b"GraphModule" not in plain and b"torch.fx" not in plain
     H = pickle.loads(plain)
     assert nx.utils.graphs_equal(G, H) and nx.utils.graphs_equal(G, copy.deepcopy(G))
     res = fxnx.route_credit(H, model, x)  # an unpickled graph routes as well
@@ -774,7 +774,7 @@ def test_the_kept_capture_stays_out_of_copies_and_pickles():
 
 
 def test_repeated_calls_compile_the_plan_once_and_follow_edits_of_g(monkeypatch):
-    from fxnx.credit import engine
+    from fxnx._credit import router as engine
 
     compiled = []
     real = engine.compile_plan

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 import fxnx
-from fxnx import render
+import fxnx._drawing.draw
+from fxnx import _drawing as dr
 
 from zoo import CASES
 
-needs_dot = pytest.mark.skipif(render.shutil.which("dot") is None, reason="Graphviz dot not installed")
+needs_dot = pytest.mark.skipif(dr.graphviz.shutil.which("dot") is None, reason="Graphviz dot not installed")
 
 
 def _zoo(name):
@@ -75,7 +76,7 @@ def test_a_drawing_is_the_picture_draw_writes(tmp_path, torchvision_model):
         assert drawing.dot == fxnx.draw(G, tmp_path / "g.dot").read_text()
     svg = ET.fromstring(drawing.svg)  # well-formed, one element per node drawn
     ids = {g.get("id") for g in svg.iter("{http://www.w3.org/2000/svg}g") if g.get("class") == "node"}
-    assert ids == set(render.collapse(G, 2)) - {n for n in G if G.nodes[n]["op"] == "get_attr"}
+    assert ids == set(dr.view.collapse(G, 2)) - {n for n in G if G.nodes[n]["op"] == "get_attr"}
     for suffix in ("png", "svg", "pdf", "dot"):  # save: by suffix, as draw(G, path)
         saved = drawing.save(tmp_path / f"saved.{suffix}")
         assert saved == tmp_path / f"saved.{suffix}"
@@ -83,7 +84,7 @@ def test_a_drawing_is_the_picture_draw_writes(tmp_path, torchvision_model):
     assert (tmp_path / "saved.svg").read_text() == drawing.svg
     assert (tmp_path / "saved.pdf").read_bytes().startswith(b"%PDF")
     assert (tmp_path / "saved.dot").read_text() == drawing.dot
-    with pytest.raises(fxnx.FxnxValueError, match=r"give a \.png, \.svg, \.pdf or \.dot"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"give a \.png, \.svg, \.pdf or \.dot"):
         drawing.save(tmp_path / "g.jpeg")
     assert not (tmp_path / "g.jpeg").exists()
     assert _frozen(G) == before  # drawing never writes into the caller's graph
@@ -96,19 +97,19 @@ def test_a_drawing_obeys_the_options_and_bounds_of_draw(tmp_path):
     drawing = fxnx.draw(G, depth=1, rankdir="LR", dpi=150)
     assert drawing.depth == 1 and drawing.dpi == 150
     assert drawing.png == fxnx.draw(G, tmp_path / "g.png", depth=1, rankdir="LR", dpi=150).read_bytes()
-    with pytest.raises(fxnx.FxnxValueError, match="dpi must be a whole number"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="dpi must be a whole number"):
         fxnx.draw(G, dpi=0)
-    with pytest.raises(fxnx.FxnxTypeError, match="unknown option 'colour'"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="unknown option 'colour'"):
         fxnx.draw(G, colour="red")
     chain = fxnx.convert(torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(60))),
                          torch.zeros(1, 2))
-    with pytest.raises(fxnx.FxnxValueError, match="32767-pixel limit"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="32767-pixel limit"):
         fxnx.draw(chain, depth=1, dpi=1200)  # as draw(G, "g.png", ...) refuses it
 
 
 def test_without_graphviz_a_drawing_still_has_its_dot_text_and_says_what_to_install(tmp_path,
                                                                                    monkeypatch):
-    monkeypatch.setattr(render.shutil, "which", lambda name: None)
+    monkeypatch.setattr(dr.graphviz.shutil, "which", lambda name: None)
     G = _zoo("skip_block")
     drawing = fxnx.draw(G)
     assert drawing.dot.startswith("digraph fxnx {")
@@ -117,9 +118,9 @@ def test_without_graphviz_a_drawing_still_has_its_dot_text_and_says_what_to_inst
     assert set(bundle) == {"text/plain"}
     assert "apt-get install graphviz" in bundle["text/plain"]
     assert drawing._repr_svg_() is None
-    with pytest.raises(fxnx.GraphvizNotFoundError, match="apt-get install graphviz"):
+    with pytest.raises(fxnx.errors.GraphvizNotFoundError, match="apt-get install graphviz"):
         drawing.svg  # noqa: B018
-    with pytest.raises(fxnx.GraphvizNotFoundError):
+    with pytest.raises(fxnx.errors.GraphvizNotFoundError):
         drawing.save(tmp_path / "g.png")
     assert not (tmp_path / "g.png").exists()
 

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import fxnx
-from fxnx import render
+import fxnx._drawing.draw
+from fxnx import _drawing as dr
 
-needs_dot = pytest.mark.skipif(render.shutil.which("dot") is None, reason="Graphviz dot not installed")
+needs_dot = pytest.mark.skipif(dr.graphviz.shutil.which("dot") is None, reason="Graphviz dot not installed")
 
 #: What draw promises a PNG drawn without depth (its docstring and the README): Graphviz's pixel
 #: limit always, and about PNG_AREA square inches, dot's own layout within 1.5 times the
@@ -37,8 +38,8 @@ def _png(path: Path) -> tuple[int, int]:
 
 def _within_bound(path: Path, dpi: int = 96) -> None:
     width, height = _png(path)
-    assert max(width, height) <= render.MAX_PIXELS
-    assert width * height / dpi**2 <= AREA_SLACK * render.PNG_AREA, (width, height, dpi)
+    assert max(width, height) <= dr.fit.MAX_PIXELS
+    assert width * height / dpi**2 <= AREA_SLACK * dr.fit.PNG_AREA, (width, height, dpi)
 
 
 def _dot_inches(text: str) -> tuple[float, float]:
@@ -81,10 +82,10 @@ def test_a_png_that_fits_at_no_depth_is_refused_before_graphviz_runs(tmp_path, m
                                          "below depth 1"):
         text = fxnx.draw(G, tmp_path / "g.dot").read_text()  # DOT text is still written
     width, height = _dot_inches(text)
-    assert width * height > AREA_SLACK * render.PNG_AREA  # the oracle: dot's layout at depth 1
+    assert width * height > AREA_SLACK * dr.fit.PNG_AREA  # the oracle: dot's layout at depth 1
     runs = dot_runs
     for path in (tmp_path / "g.png", None):  # a file, and a drawing for a notebook
-        with pytest.raises(fxnx.FxnxValueError) as info:
+        with pytest.raises(fxnx.errors.FxnxValueError) as info:
             fxnx.draw(G, path)
         message = str(info.value)
         assert "too large for a readable PNG even with modules collapsed below depth 1" in message
@@ -101,7 +102,7 @@ def test_a_png_that_fits_at_no_depth_is_refused_before_graphviz_runs(tmp_path, m
 def test_a_png_past_graphvizs_limit_at_depth_1_names_a_dpi_that_fits(tmp_path, monkeypatch, dot_runs):
     G = fxnx.convert(Tail(500), torch.zeros(1, 4))
     runs = dot_runs
-    with pytest.raises(fxnx.FxnxValueError, match="32767-pixel limit") as info:
+    with pytest.raises(fxnx.errors.FxnxValueError, match="32767-pixel limit") as info:
         fxnx.draw(G, tmp_path / "g.png", depth=1)
     assert runs == []
     message = str(info.value)
@@ -109,7 +110,7 @@ def test_a_png_past_graphvizs_limit_at_depth_1_names_a_dpi_that_fits(tmp_path, m
     dpi = int(re.search(r"dpi=(\d+) or less", message).group(1))
     assert dpi < 96
     width, height = _png(fxnx.draw(G, tmp_path / "g.png", depth=1, dpi=dpi))
-    assert max(width, height) <= render.MAX_PIXELS  # the oracle: the PNG Graphviz wrote
+    assert max(width, height) <= dr.fit.MAX_PIXELS  # the oracle: the PNG Graphviz wrote
 
 
 class Stack(torch.nn.Module):
@@ -136,14 +137,14 @@ class _Residual(torch.nn.Module):
 @needs_dot
 def test_a_png_past_graphvizs_limit_at_an_asked_depth_names_a_depth_that_fits(tmp_path):
     G = fxnx.convert(Stack(4, 12), torch.zeros(1, 4))
-    with pytest.raises(fxnx.FxnxValueError, match="32767-pixel limit") as info:
+    with pytest.raises(fxnx.errors.FxnxValueError, match="32767-pixel limit") as info:
         fxnx.draw(G, tmp_path / "g.png", depth=3, dpi=1200)
     message = str(info.value)
     _no_depth_below_one(message)
     depth = int(re.search(r"depth=(\d+) or less", message).group(1))
     assert 1 <= depth < 3
     width, height = _png(fxnx.draw(G, tmp_path / "g.png", depth=depth, dpi=1200))
-    assert max(width, height) <= render.MAX_PIXELS
+    assert max(width, height) <= dr.fit.MAX_PIXELS
 
 
 @needs_dot
@@ -156,9 +157,9 @@ def test_a_default_png_is_within_its_bound(rankdir, tmp_path):
     _within_bound(path)
     # Collapsed only as far as needed: in full it would not have been within the bound.
     assert any("collapsed below depth" in str(w.message) for w in caught)
-    full = fxnx.draw(G, tmp_path / "full.dot", depth=render.module_depth(G), rankdir=rankdir)
+    full = fxnx.draw(G, tmp_path / "full.dot", depth=dr.view.module_depth(G), rankdir=rankdir)
     width, height = _dot_inches(full.read_text())
-    assert width * height > render.PNG_AREA
+    assert width * height > dr.fit.PNG_AREA
 
 
 # --- a node named like a top-level module (XLNet's KeyError: 'members') -------------------------
@@ -188,13 +189,13 @@ def test_a_function_named_like_a_top_level_module_stays_its_own_node():
     in_module = sorted(n for n, d in G.nodes(data=True) if d["scope"] == "blk"
                        or str(d["target"]).startswith("blk."))
     assert in_module == ["blk_0", "blk_1"]
-    view = render.collapse(G, 1)
+    view = dr.view.collapse(G, 1)
     assert list(view) == ["x", "blk (node)", "blk", "output"]
     assert view.nodes["blk"]["op"] == "module" and view.nodes["blk"]["members"] == 2
     assert view.nodes["blk (node)"]["op"] == "call_function"
     assert list(view.edges()) == [("x", "blk (node)"), ("blk (node)", "blk"), ("blk", "output")]
     assert len(fxnx.to_pydot(G, depth=1).get_node("blk (node)")) == 1
-    assert render.collapsed_size(G, 1) == view.number_of_nodes()
+    assert dr.view.collapsed_size(G, 1) == view.number_of_nodes()
 
 
 class ReLUTwice(torch.nn.Module):
@@ -212,7 +213,7 @@ def test_an_aten_node_named_like_its_module_is_collapsed_into_it():
     # The premise, from torch.export: the ATen op relu is named like the module it runs in.
     in_relu = sorted(n for n, d in G.nodes(data=True) if d["scope"] == "relu")
     assert in_relu == ["relu", "relu_1"]
-    view = render.collapse(G, 1)
+    view = dr.view.collapse(G, 1)
     assert view.nodes["relu"]["op"] == "module" and view.nodes["relu"]["members"] == 2
     assert "relu_1" not in view
     text = fxnx.to_pydot(G, depth=1).to_string()
@@ -246,7 +247,7 @@ def test_detectors_png_is_within_its_bound_or_refused_with_what_works(name, tmp_
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             path = fxnx.draw(G, tmp_path / "g.png")
-    except fxnx.FxnxValueError as err:
+    except fxnx.errors.FxnxValueError as err:
         message = str(err)
         _no_depth_below_one(message)
         assert ".svg or .pdf" in message and "fxnx.scope_subgraph(G, scope): " in message
@@ -259,7 +260,7 @@ def test_detectors_png_is_within_its_bound_or_refused_with_what_works(name, tmp_
                 warnings.simplefilter("ignore")
                 _within_bound(fxnx.draw(fxnx.scope_subgraph(G, part), tmp_path / f"{part}.png"))
         for part in too_large:  # and every other is refused as the whole was
-            with pytest.raises(fxnx.FxnxValueError, match="too large for a readable PNG"):
+            with pytest.raises(fxnx.errors.FxnxValueError, match="too large for a readable PNG"):
                 fxnx.draw(fxnx.scope_subgraph(G, part), tmp_path / f"{part}.png")
     else:
         _within_bound(path)
@@ -276,7 +277,7 @@ def test_xlnet_draws_at_every_depth(tmp_path):
         warnings.simplefilter("ignore")
         G = fxnx.convert(model, torch.randint(0, 100, (1, 8)), routes="export")
     assert "dropout" in G and G.nodes["dropout"]["scope"] == "dropout"  # the name that crashed
-    for depth in range(1, render.module_depth(G) + 1):
+    for depth in range(1, dr.view.module_depth(G) + 1):
         fxnx.to_pydot(G, depth=depth)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

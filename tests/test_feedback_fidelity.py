@@ -38,7 +38,7 @@ def _angle(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_feedback_alignment_draws_b_with_the_variance_its_law_defines(init, variance):
     model = nn.Sequential(nn.Linear(300, 200))
     x = torch.randn(2, 300)
-    rule = fxnx.FeedbackAlignment(init=init)
+    rule = fxnx.credit.FeedbackAlignment(init=init)
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule={nn.Linear: rule})
     router(x).sum().backward()
     B = router.feedback["_0"]
@@ -70,10 +70,10 @@ def test_draws_are_reproducible_from_the_seed_and_differ_between_seeds():
 
 
 def test_an_unknown_law_is_refused():
-    with pytest.raises(fxnx.FxnxValueError, match="init must be one of 'xavier', 'kaiming'"):
-        fxnx.FeedbackAlignment(init="he")
-    with pytest.raises(fxnx.FxnxValueError, match="uSF's literal form"):
-        fxnx.SignSymmetry("fixed_random", init="unit")
+    with pytest.raises(fxnx.errors.FxnxValueError, match="init must be one of 'xavier', 'kaiming'"):
+        fxnx.credit.FeedbackAlignment(init="he")
+    with pytest.raises(fxnx.errors.FxnxValueError, match="uSF's literal form"):
+        fxnx.credit.SignSymmetry("fixed_random", init="unit")
 
 
 # -- uSF's scale ----------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ def test_usf_credit_is_feedback_alignment_with_b_the_scaled_sign_of_w(init):
     model = _mlp(5, 7, 3)
     x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
     G = fxnx.convert(model, x)
-    usf = fxnx.route_credit(G, model, x, output_credit=e, rule={nn.Linear: fxnx.SignSymmetry("uniform", init=init)})
+    usf = fxnx.route_credit(G, model, x, output_credit=e, rule={nn.Linear: fxnx.credit.SignSymmetry("uniform", init=init)})
     B = {n: model[i].weight.detach().sign() * _SCALES[init](*model[i].weight.shape) for n, i in (("_0", 0), ("_2", 2))}
     fa = fxnx.route_credit(G, model, x, output_credit=e, rule="feedback_alignment", feedback=B)
     for name in ("_1", "_0", "input_1"):
@@ -145,7 +145,7 @@ def test_spatial_dfa_equals_its_dense_equivalent(conv2):
     assert tuple(B.shape) == (4, 3, *model.conv2.kernel_size)  # classes x C_in x kernel
     (shape,) = [s for *_, s in G.in_edges("conv2", data="shape")]
     dense_B = _dense_equivalent(B, model.conv2, shape)
-    dense = fxnx.DirectFeedbackAlignment(spatial=False)
+    dense = fxnx.credit.DirectFeedbackAlignment(spatial=False)
     fb = {"conv2": dense_B, "fc": spatial.feedback["fc"]}
     ref = fxnx.route_credit(G, model, x, output_credit=e, rule={nn.Conv2d: dense, nn.Linear: dense}, feedback=fb)
     assert torch.allclose(spatial.node_credit["conv1"], ref.node_credit["conv1"], rtol=1e-12, atol=1e-14)
@@ -172,23 +172,23 @@ def test_feedback_over_the_limit_is_refused_before_it_is_drawn():
     model = SmallCNN(nn.Conv2d(3, 6, 3, padding=1))
     x = torch.randn(2, 2, 16, 16)
     G = fxnx.convert(model, x)
-    dense = fxnx.DirectFeedbackAlignment(spatial=False, max_bytes=10_000)
+    dense = fxnx.credit.DirectFeedbackAlignment(spatial=False, max_bytes=10_000)
     router = fxnx.CreditRouter(G, model, rule={nn.Conv2d: dense, nn.Linear: dense})
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # conv2's input: 4 x 3 x 16 x 16 floats = 12,288 bytes; fc's: 4 x 24 = 384 bytes
-    with pytest.raises(fxnx.FxnxValueError, match=r"'conv2'.*12\.0 KiB.*would take 12\.4 KiB, over the limit of 9\.8 KiB.*max_bytes=") as err:
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"'conv2'.*12\.0 KiB.*would take 12\.4 KiB, over the limit of 9\.8 KiB.*max_bytes=") as err:
         router(x)
     assert "node 'conv2', input 0, shape (4, 3, 16, 16)" in str(err.value)
     assert router.feedback == {} and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    raised = fxnx.DirectFeedbackAlignment(spatial=False, max_bytes=20_000)
+    raised = fxnx.credit.DirectFeedbackAlignment(spatial=False, max_bytes=20_000)
     router = fxnx.CreditRouter(G, model, rule={nn.Conv2d: raised, nn.Linear: raised})
     router(x).sum().backward()
     assert tuple(router.feedback["conv2"].shape) == (4, 3, 16, 16)
-    with pytest.raises(fxnx.FxnxValueError, match=r"feedback_alignment at node '_0' \(shape \(50, 40\), torch.float32\).*7\.8 KiB, over the limit of 1,000 bytes"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"feedback_alignment at node '_0' \(shape \(50, 40\), torch.float32\).*7\.8 KiB, over the limit of 1,000 bytes"):
         model = nn.Sequential(nn.Linear(40, 50))
         x = torch.randn(2, 40)
-        fxnx.CreditRouter(fxnx.convert(model, x), model, rule={nn.Linear: fxnx.FeedbackAlignment(max_bytes=1000)})(x)
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rule={nn.Linear: fxnx.credit.FeedbackAlignment(max_bytes=1000)})(x)
 
 
 # -- Kolen–Pollack and weight mirrors ----------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_weight_mirrors_bring_b_to_w(kind):
     x.requires_grad_()  # the layer's input needs credit: its rule is weight mirror
     # 256 noise samples per call: the mirror's steady-state noise, about √(rate/2 · fan_in /
     # batch) of W, stays well inside 10° (the default 64 sits near 10° for a 36-input kernel)
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule={type(layer): fxnx.WeightMirror(batch=256)})
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule={type(layer): fxnx.credit.WeightMirror(batch=256)})
     router(x).sum().backward()
     assert router.alignment()["_0"]["angle"] > 60
     for _ in range(60):
@@ -292,13 +292,13 @@ def test_update_feedback_says_what_is_missing():
     G = fxnx.convert(model, x)
     fa = fxnx.CreditRouter(G, model, rule="feedback_alignment")
     fa(x).sum().backward()
-    with pytest.raises(fxnx.FxnxValueError, match="no node of this router has feedback that learns"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="no node of this router has feedback that learns"):
         fa.update_feedback(lr=0.1)
     kp = fxnx.CreditRouter(G, model, rule="kolen_pollack")
-    with pytest.raises(fxnx.FxnxValueError, match="none has run yet"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="none has run yet"):
         kp.update_feedback(lr=0.1)
     kp(x).sum().backward()
-    with pytest.raises(fxnx.FxnxValueError, match="needs the optimizer's lr="):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="needs the optimizer's lr="):
         kp.update_feedback()
 
 
@@ -356,7 +356,7 @@ def test_alignment_reports_the_angle_and_norm_ratio_of_w_and_b():
 
 # -- every preset trains at backprop's learning rate ------------------------------------------------
 
-@pytest.mark.parametrize("rule", list(fxnx.PRESETS))
+@pytest.mark.parametrize("rule", list(fxnx.credit.PRESETS))
 def test_every_preset_trains_the_digits_mlp_with_plain_sgd(rule):
     """At its defaults and the learning rate backprop uses, no rule diverges (uSF included,
     which at unit magnitude did: 89% test error)."""

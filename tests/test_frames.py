@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import fxnx
-from fxnx.frames import PandasNotFoundError, cost_summary, cost_table, module_costs, to_frames
+from fxnx.errors import PandasNotFoundError
+from fxnx.frames import cost_summary, cost_table, module_costs, to_frames
 
 from zoo import CASES
 

@@ -23,7 +23,7 @@ import torch
 from test_io import _half_then_fail
 
 import fxnx
-from fxnx.cli import main
+from fxnx._cli import main
 
 from blocktorch import run_without_torch
 
@@ -51,7 +51,7 @@ import fxnx
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # /dev/zero read whole: MemoryError
 try:
     getattr(fxnx, sys.argv[1])(sys.argv[2])
-except fxnx.GraphFileError as err:
+except fxnx.errors.GraphFileError as err:
     print(err)
     sys.exit(3)
 """
@@ -81,11 +81,11 @@ def test_readers_refuse_a_file_over_the_size_limit(writer, tmp_path, monkeypatch
     path = tmp_path / "g"
     getattr(fxnx, writer)(_graph(), path)
     size = path.stat().st_size
-    monkeypatch.setattr(fxnx.io, "MAX_FILE_BYTES", size - 1)
+    monkeypatch.setattr(fxnx._files, "MAX_FILE_BYTES", size - 1)
     reader = fxnx.read_pickle if writer == "write_pickle" else fxnx.read_json
-    with pytest.raises(fxnx.GraphFileError, match=rf"is {size:,} bytes, more than the {size - 1:,} "):
+    with pytest.raises(fxnx.errors.GraphFileError, match=rf"is {size:,} bytes, more than the {size - 1:,} "):
         reader(path)
-    monkeypatch.setattr(fxnx.io, "MAX_FILE_BYTES", size)
+    monkeypatch.setattr(fxnx._files, "MAX_FILE_BYTES", size)
     assert list(reader(path)) == list(_graph())
 
 
@@ -118,7 +118,7 @@ def test_write_graphml_refuses_what_xml_cannot_hold_and_writes_nothing(where, ch
     before = path.read_bytes()
     G = _graph()
     names = _spoil(G, where, char)
-    with pytest.raises(fxnx.GraphContractError) as info:
+    with pytest.raises(fxnx.errors.GraphContractError) as info:
         fxnx.write_graphml(G, path)
     message = str(info.value)
     assert str(path) in message and f"U+{ord(char):04X}" in message
@@ -153,7 +153,7 @@ def _json_with(tmp_path: Path, where: str) -> Path:
 @pytest.mark.parametrize("where", ["node name", "node attribute"])
 def test_read_json_refuses_a_lone_surrogate(where, tmp_path):
     path = _json_with(tmp_path, where)
-    with pytest.raises(fxnx.GraphFileError, match=r"U\+D800.*not text"):
+    with pytest.raises(fxnx.errors.GraphFileError, match=r"U\+D800.*not text"):
         fxnx.read_json(path)
 
 
@@ -163,12 +163,12 @@ def test_read_pickle_refuses_a_lone_surrogate_and_writers_refuse_to_make_one(tmp
     G.nodes["_1"]["note"] = "x\ud800"
     path = tmp_path / "g.pkl"
     buffer = io.BytesIO()
-    fxnx.io._GraphPickler(buffer, protocol=4).dump(G)  # write_pickle's layout, unchecked
+    fxnx._files._GraphPickler(buffer, protocol=4).dump(G)  # write_pickle's layout, unchecked
     path.write_bytes(buffer.getvalue())
-    with pytest.raises(fxnx.GraphFileError, match=r"U\+D800.*not text"):
+    with pytest.raises(fxnx.errors.GraphFileError, match=r"U\+D800.*not text"):
         fxnx.read_pickle(path)
     for writer in (fxnx.write_pickle, fxnx.write_json, fxnx.write_graphml):
-        with pytest.raises(fxnx.GraphContractError, match=r"'_1'.*'note'.*U\+D800"):
+        with pytest.raises(fxnx.errors.GraphContractError, match=r"'_1'.*'note'.*U\+D800"):
             writer(G, tmp_path / "out")
     assert _files(tmp_path) == ["g.pkl"]
 
@@ -189,7 +189,7 @@ def test_an_error_replacing_the_target_names_the_target_not_the_temporary_file(t
 
 def test_a_full_disk_names_the_target(tmp_path, monkeypatch):
     target = tmp_path / "g.json"
-    monkeypatch.setattr(fxnx.io, "open", _half_then_fail(open), raising=False)
+    monkeypatch.setattr(fxnx._files, "open", _half_then_fail(open), raising=False)
     with pytest.raises(OSError) as info:
         fxnx.write_json(_graph(), target)
     assert info.value.errno == errno.ENOSPC
@@ -199,7 +199,7 @@ def test_a_full_disk_names_the_target(tmp_path, monkeypatch):
 
 def test_atomic_write_leaves_errors_about_other_files_alone(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
-        with fxnx.atomic_write(tmp_path / "out.txt", "w") as f:
+        with fxnx._files.atomic_write(tmp_path / "out.txt", "w") as f:
             f.write(open(tmp_path / "missing.txt").read())
     assert info.value.filename == str(tmp_path / "missing.txt")
 
@@ -210,7 +210,7 @@ def stall(fd):  # the new file is written but not yet in place: the middle of a 
     open(sys.argv[1], "w").close()
     time.sleep(120)
 os.fsync = stall
-from fxnx.cli import main
+from fxnx._cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -297,7 +297,7 @@ def test_output_file_name_is_kept(output, tmp_path, capsys, monkeypatch):
 
 _PARSE = """
 import sys
-from fxnx.cli import main
+from fxnx._cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

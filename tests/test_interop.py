@@ -281,6 +281,6 @@ def test_graphml_spells_ambiguous_shapes_as_json(tmp_path):
 def test_graphml_refuses_a_shape_text_xml_cannot_hold_and_writes_nothing(tmp_path):
     G = _graph("skip_block").copy()
     G.nodes["lin"]["out_shape"] = ("u\x1b0", 4)
-    with pytest.raises(fxnx.GraphContractError, match=r"node 'lin' attribute 'out_shape' holds U\+001B"):
+    with pytest.raises(fxnx.errors.GraphContractError, match=r"node 'lin' attribute 'out_shape' holds U\+001B"):
         fxnx.write_graphml(G, tmp_path / "g.graphml")
     assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fxnx
-from fxnx.cli import main
+from fxnx._cli import main
 
 from blocktorch import run_without_torch
 from conftest import TORCHVISION, assert_graphs_equal
@@ -76,7 +76,7 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     G = nx.MultiDiGraph(payload=_Exploit(str(marker)))
     with open(path, "wb") as f:
         pickle.dump(G, f)
-    with pytest.raises(fxnx.UnsafePickleError, match=r"opcode REDUCE.*Nothing in it was run"):
+    with pytest.raises(fxnx.errors.UnsafePickleError, match=r"opcode REDUCE.*Nothing in it was run"):
         fxnx.read_pickle(path)
     assert not marker.exists()
     # The check is real: plain pickle would have run the command.
@@ -89,10 +89,10 @@ def test_truncated_file_is_a_clear_error(torchvision_model, tmp_path):
     path = tmp_path / "g.pkl"
     fxnx.write_pickle(fxnx.convert(CASES["skip_block"].build(), torch.randn(2, 4)), path)
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(fxnx.GraphFileError, match="truncated or corrupt"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="truncated or corrupt"):
         fxnx.read_pickle(path)
     path.write_bytes(b"not a pickle at all")
-    with pytest.raises(fxnx.GraphFileError, match="not a readable fxnx graph file"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="not a readable fxnx graph file"):
         fxnx.read_pickle(path)
 
 
@@ -101,7 +101,7 @@ def test_truncated_file_is_a_clear_error(torchvision_model, tmp_path):
 def test_a_pickle_of_something_else_is_refused(tmp_path):
     path = tmp_path / "list.pkl"
     path.write_bytes(pickle.dumps([1, 2, 3]))
-    with pytest.raises(fxnx.GraphFileError, match="holds a list, not a graph"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="holds a list, not a graph"):
         fxnx.read_pickle(path)
 
 
@@ -109,7 +109,7 @@ def test_writing_torch_objects_is_refused_and_nothing_is_written(tmp_path):
     G = _graph()
     G.graph["dtype"] = torch.float32
     path = tmp_path / "g.pkl"
-    with pytest.raises(fxnx.GraphContractError, match="'dtype': torch.dtype is not plain data"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="'dtype': torch.dtype is not plain data"):
         fxnx.write_pickle(G, path)
     assert not path.exists()
     assert G.graph["dtype"] is torch.float32
@@ -141,11 +141,11 @@ def test_json_round_trip_resnet18_with_credit(torchvision_model, tmp_path):
 def test_json_errors(tmp_path):
     path = tmp_path / "g.json"
     path.write_text('{"directed": true, "multigraph": true, "graph": {}, "nodes": [')
-    with pytest.raises(fxnx.GraphFileError, match="not a readable fxnx JSON graph"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="not a readable fxnx JSON graph"):
         fxnx.read_json(path)
     G = _graph()
     G.graph["bad"] = float("nan")
-    with pytest.raises(fxnx.FxnxValueError, match="JSON cannot write"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="JSON cannot write"):
         fxnx.write_json(G, tmp_path / "nan.json")
     assert not (tmp_path / "nan.json").exists()
 
@@ -184,13 +184,13 @@ def _graph():
 def _raw_pickle(G, path):
     """Pickle G exactly as write_pickle lays it out, but without the contract check."""
     buffer = io.BytesIO()
-    fxnx.io._GraphPickler(buffer, protocol=4).dump(G)
+    fxnx._files._GraphPickler(buffer, protocol=4).dump(G)
     path.write_bytes(buffer.getvalue())
     return path
 
 
 def _raw_json(G, path):
-    path.write_text(json.dumps(fxnx.io._encode(nx.node_link_data(G, edges="edges"))))
+    path.write_text(json.dumps(fxnx._files._encode(nx.node_link_data(G, edges="edges"))))
     return path
 
 
@@ -241,7 +241,7 @@ def _half_then_fail(real_open):
 def test_a_write_that_fails_part_way_leaves_the_old_file(writer, tmp_path, monkeypatch):
     path = tmp_path / "g.out"
     path.write_bytes(b"the old file")
-    monkeypatch.setattr(fxnx.io, "open", _half_then_fail(open), raising=False)
+    monkeypatch.setattr(fxnx._files, "open", _half_then_fail(open), raising=False)
     monkeypatch.setattr(nx.readwrite.graphml, "open", _half_then_fail(open), raising=False)
     with pytest.raises(OSError, match="No space left"):
         getattr(fxnx, writer)(_graph(), path)
@@ -253,12 +253,12 @@ def test_atomic_write_keeps_the_old_file_on_any_error(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_bytes(b"old\x00bytes")
     with pytest.raises(KeyError):
-        with fxnx.atomic_write(path) as f:
+        with fxnx._files.atomic_write(path) as f:
             f.write(b"new")
             raise KeyError("boom")
     assert path.read_bytes() == b"old\x00bytes"
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
-    with fxnx.atomic_write(path, "w") as f:
+    with fxnx._files.atomic_write(path, "w") as f:
         f.write("né")
     assert path.read_bytes() == "né".encode()
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
@@ -270,7 +270,7 @@ def test_a_json_encoding_failure_leaves_the_old_file(tmp_path):
     before = path.read_bytes()
     G = _graph()
     G.nodes["lin"]["score"] = float("inf")
-    with pytest.raises(fxnx.FxnxValueError, match="JSON cannot write"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="JSON cannot write"):
         fxnx.write_json(G, path)
     assert path.read_bytes() == before
 
@@ -280,7 +280,7 @@ def test_writers_refuse_what_readers_would_refuse(value, tmp_path):
     G = _graph()
     G.nodes["lin"]["mine"] = value
     for writer in (fxnx.write_pickle, fxnx.write_json):
-        with pytest.raises(fxnx.GraphContractError, match="is not plain data"):
+        with pytest.raises(fxnx.errors.GraphContractError, match="is not plain data"):
             writer(G, tmp_path / "g")
     assert not list(tmp_path.iterdir())
 
@@ -298,7 +298,7 @@ def test_a_small_pickle_that_would_allocate_through_reduce_is_refused(outer, tmp
     assert len(data) < 300
     tracemalloc.start()
     try:
-        with pytest.raises(fxnx.UnsafePickleError, match="Nothing in it was run"):
+        with pytest.raises(fxnx.errors.UnsafePickleError, match="Nothing in it was run"):
             fxnx.read_pickle(path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -308,7 +308,7 @@ def test_a_small_pickle_that_would_allocate_through_reduce_is_refused(outer, tmp
 
 def test_a_graph_class_called_with_arguments_is_refused(tmp_path):
     data = _proto(_global("networkx.classes.multidigraph", "MultiDiGraph"), b"]\x85R")
-    with pytest.raises(fxnx.UnsafePickleError, match="REDUCE"):
+    with pytest.raises(fxnx.errors.UnsafePickleError, match="REDUCE"):
         fxnx.read_pickle(tmp_path.joinpath("g.pkl").write_bytes(data) and tmp_path / "g.pkl")
 
 
@@ -317,7 +317,7 @@ def test_a_tuple_as_a_dict_key_is_refused_before_it_is_hashed(tmp_path):
     data = _proto(b"}", b")" + b"\x85" * 200_000, b"Ns")
     path = tmp_path / "deep_key.pkl"
     path.write_bytes(data)
-    with pytest.raises(fxnx.UnsafePickleError, match="SETITEM with a 't' key"):
+    with pytest.raises(fxnx.errors.UnsafePickleError, match="SETITEM with a 't' key"):
         fxnx.read_pickle(path)
 
 
@@ -335,7 +335,7 @@ def _memo_bomb_graph(levels: int):
 def test_a_memo_reference_bomb_is_refused(tmp_path, capsys):
     path = _raw_pickle(_memo_bomb_graph(30), tmp_path / "bomb.pkl")
     assert path.stat().st_size < 10_000
-    with pytest.raises(fxnx.GraphFileError, match="expands into more than .* shared references"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="expands into more than .* shared references"):
         fxnx.read_pickle(path)
     assert main(["info", str(path)]) == 1
     assert "decompression bomb" in capsys.readouterr().err
@@ -351,7 +351,7 @@ def test_deep_nesting_is_an_error_not_a_recursion_error(tmp_path):
     data = _proto(b"]" * depth + b"a" * (depth - 1))
     path = tmp_path / "deep.pkl"
     path.write_bytes(data)
-    with pytest.raises(fxnx.GraphFileError, match="holds a list, not a graph"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="holds a list, not a graph"):
         fxnx.read_pickle(path)
     G = _graph()
     G.graph["deep"] = []
@@ -359,7 +359,7 @@ def test_deep_nesting_is_an_error_not_a_recursion_error(tmp_path):
     for _ in range(200):  # deeper than the limit, shallow enough for pickle.dumps
         inner.append([])
         inner = inner[0]
-    with pytest.raises(fxnx.GraphFileError, match="nests values more than 40 deep"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="nests values more than 40 deep"):
         fxnx.read_pickle(_raw_pickle(G, tmp_path / "deep_attr.pkl"))
 
 
@@ -398,25 +398,25 @@ def test_a_wrong_schema_file_is_one_error_and_the_cli_says_one_line(case, fmt, t
     edit(G)
     path = (_raw_pickle if fmt == "pkl" else _raw_json)(G, tmp_path / f"g.{fmt}")
     read = fxnx.read_pickle if fmt == "pkl" else fxnx.read_json
-    with pytest.raises(fxnx.GraphFileError, match=f"is not a valid fxnx graph: {message}") as info:
+    with pytest.raises(fxnx.errors.GraphFileError, match=f"is not a valid fxnx graph: {message}") as info:
         read(path)
-    assert isinstance(info.value.__cause__, fxnx.GraphContractError)
+    assert isinstance(info.value.__cause__, fxnx.errors.GraphContractError)
     for command in (["info", str(path)], ["draw", str(path), "-o", str(tmp_path / "g.dot")]):
         assert main(command) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message.split(",")[0] in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("version", ["2", 2.0, 99.5, True, fxnx.FORMAT_VERSION + 1])
+@pytest.mark.parametrize("version", ["2", 2.0, 99.5, True, fxnx.contract.FORMAT_VERSION + 1])
 @pytest.mark.parametrize("fmt", ["pkl", "json"])
 def test_format_version_must_be_an_int_this_fxnx_knows(version, fmt, tmp_path):
     G = _graph()
     G.graph["format_version"] = version
     path = (_raw_pickle if fmt == "pkl" else _raw_json)(G, tmp_path / f"g.{fmt}")
     read = fxnx.read_pickle if fmt == "pkl" else fxnx.read_json
-    newer = type(version) is int and version == fxnx.FORMAT_VERSION + 1  # True == 2.0 == 2 in Python
+    newer = type(version) is int and version == fxnx.contract.FORMAT_VERSION + 1  # True == 2.0 == 2 in Python
     advice = "upgrade fxnx" if newer else "must be an int"
-    with pytest.raises(fxnx.GraphFileError, match=f"format_version.*{advice}"):
+    with pytest.raises(fxnx.errors.GraphFileError, match=f"format_version.*{advice}"):
         read(path)
 
 
@@ -471,7 +471,7 @@ def test_read_json_turns_every_bad_file_into_one_error(case, tmp_path):
     make, message = JSON_CASES[case]
     path = tmp_path / "g.json"
     path.write_bytes(make(_node_link()))
-    with pytest.raises(fxnx.GraphFileError, match=message):
+    with pytest.raises(fxnx.errors.GraphFileError, match=message):
         fxnx.read_json(path)
 
 
@@ -489,7 +489,7 @@ def test_a_file_cut_anywhere_is_a_graph_file_error(fmt, tmp_path):
     cut = tmp_path / f"cut.{fmt}"
     for end in sorted({*range(0, len(data), max(1, len(data) // 400)), *range(len(data) - 40, len(data))}):
         cut.write_bytes(data[:end])
-        with pytest.raises(fxnx.GraphFileError):
+        with pytest.raises(fxnx.errors.GraphFileError):
             read(cut)
     assert_graphs_equal(read(path), G)
 
@@ -530,7 +530,7 @@ def test_huge_values_give_one_graph_file_error(spoil, tmp_path):
     G = _graph()
     spoil(G)
     path = _raw_pickle(G, tmp_path / "g.pkl")
-    with pytest.raises(fxnx.GraphFileError):
+    with pytest.raises(fxnx.errors.GraphFileError):
         fxnx.read_pickle(path)
     assert main(["info", str(path)]) == 1
 
@@ -541,7 +541,7 @@ def test_a_shared_string_bomb_is_refused(tmp_path, capsys):
     G.graph["opaque_modules"] = ["m" * 100_000] * 100_000  # 10 GB as text, one string in memory
     path = _raw_pickle(G, tmp_path / "bomb.pkl")
     assert path.stat().st_size < 600_000
-    with pytest.raises(fxnx.GraphFileError, match="characters through shared references"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="characters through shared references"):
         fxnx.read_pickle(path)
     capsys.readouterr()
     assert main(["info", str(path)]) == 1
@@ -551,18 +551,18 @@ def test_a_shared_string_bomb_is_refused(tmp_path, capsys):
 def test_format_version_zero_is_refused(tmp_path):
     G = _graph()
     G.graph["format_version"] = 0
-    with pytest.raises(fxnx.GraphFileError, match="must be an int from 1 to"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="must be an int from 1 to"):
         fxnx.read_pickle(_raw_pickle(G, tmp_path / "g.pkl"))
 
 
 def test_a_device_or_a_pipe_is_not_read(tmp_path):
-    with pytest.raises(fxnx.GraphFileError, match="not a regular file"):
+    with pytest.raises(fxnx.errors.GraphFileError, match="not a regular file"):
         fxnx.read_pickle("/dev/zero")  # would never end
     fifo = tmp_path / "pipe.pkl"
     os.mkfifo(fifo)
     keep_open = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer, so opening cannot block
     try:
-        with pytest.raises(fxnx.GraphFileError, match="not a regular file"):
+        with pytest.raises(fxnx.errors.GraphFileError, match="not a regular file"):
             fxnx.read_pickle(fifo)
     finally:
         os.close(keep_open)
@@ -573,6 +573,6 @@ def test_atomic_write_works_for_the_longest_name_and_keeps_permissions(tmp_path)
     fxnx.write_pickle(_graph(), path)
     os.chmod(path, 0o640)
     fxnx.write_pickle(_graph(), path)
-    assert fxnx.read_pickle(path).graph["format_version"] == fxnx.FORMAT_VERSION
+    assert fxnx.read_pickle(path).graph["format_version"] == fxnx.contract.FORMAT_VERSION
     assert path.stat().st_mode & 0o777 == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]

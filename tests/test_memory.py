@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fxnx
-from fxnx.memory import ATEN_VIEWS, ITEMSIZE, VIEW_NAMES, memory_profile
+from fxnx._memory import ATEN_VIEWS, ITEMSIZE, VIEW_NAMES, memory_profile
 
 # --- the oracle -------------------------------------------------------------------------------
 
@@ -343,7 +343,7 @@ def test_aten_views_are_the_operators_whose_schema_returns_an_alias():
         if schema.name.startswith("aten::"):
             kinds.setdefault(schema.name.removeprefix("aten::"), set()).add(_schema_kind(schema))
     views = {name for name, kind in kinds.items() if kind == {"view"}}
-    conditional = fxnx.memory._RESHAPES | fxnx.memory._MAYBE_SELF
+    conditional = fxnx._memory._RESHAPES | fxnx._memory._MAYBE_SELF
     not_tensors = {"get", "keys", "pop", "setdefault", "to_here", "local_value", "_unwrap_optional",
                    "_test_autograd_multiple_dispatch_view"}  # dicts, RPC, optionals, a test op
     assert views - ATEN_VIEWS - conditional - not_tensors == set()
@@ -409,13 +409,13 @@ def test_unknown_sizes_are_named_and_count_zero():
 
 
 def test_errors_name_the_problem():
-    with pytest.raises(fxnx.FxnxTypeError, match="needs a networkx graph, got dict"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="needs a networkx graph, got dict"):
         memory_profile({})
     G = fxnx.convert(mlp(), torch.randn(4, 64))
     del G.nodes["_1"]["order"]
-    with pytest.raises(fxnx.GraphContractError, match="node '_1' has order None"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="node '_1' has order None"):
         memory_profile(G)
     G = fxnx.convert(mlp(), torch.randn(4, 64))
     G.nodes["_1"]["order"], G.nodes["_2"]["order"] = G.nodes["_2"]["order"], G.nodes["_1"]["order"]
-    with pytest.raises(fxnx.GraphContractError, match=r"node '_2' \(order 2\) reads '_1', which comes later"):
+    with pytest.raises(fxnx.errors.GraphContractError, match=r"node '_2' \(order 2\) reads '_1', which comes later"):
         memory_profile(G)

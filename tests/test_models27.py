@@ -17,9 +17,10 @@ import zoo27
 from torch import nn
 
 import fxnx
-from fxnx.capturing.ladder import capture
-from fxnx.capturing.registry import ROUTES
-from fxnx.credit import engine, faithful
+from fxnx._capture.ladder import capture
+from fxnx._capture.registry import ROUTES
+from fxnx._credit import faithful
+from fxnx._credit import router as engine
 
 TOL = 1e-10
 
@@ -109,9 +110,9 @@ def test_a_rule_that_runs_a_written_node_apart_is_refused():
     x = torch.randn(5, 4, dtype=torch.float64)
     G = fxnx.convert(model, x)
     mine = {"add_": lambda call, credit, state: call.exact(credit)}
-    with pytest.raises(fxnx.FxnxValueError, match=r"node 'add_' writes in place .*route it exactly"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node 'add_' writes in place .*route it exactly"):
         fxnx.route_credit(G, model, x, rules=mine)
-    with pytest.raises(fxnx.FxnxValueError, match=r"node 'add_' writes in place"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node 'add_' writes in place"):
         fxnx.CreditRouter(G, model, rules=mine)(x)
 
 
@@ -120,7 +121,7 @@ def test_cutting_the_edge_a_write_goes_through_is_refused():
     x = torch.randn(5, 4, dtype=torch.float64)
     G = fxnx.convert(model, x)
     G.remove_edge("slice_1", "add_")
-    with pytest.raises(fxnx.FxnxValueError, match=r"no edge 'slice_1' -> 'add_'.*cannot be cut"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"no edge 'slice_1' -> 'add_'.*cannot be cut"):
         fxnx.route_credit(G, model, x)
     H = fxnx.convert(model, x)
     H.remove_edge("linear_1", "add_")  # what is written, not what it is written into: fine
@@ -136,7 +137,7 @@ def test_a_credit_run_that_loses_a_write_is_refused(monkeypatch):
     model = _built(zoo27.SliceIadd)
     x = torch.randn(5, 4, dtype=torch.float64)
     G = fxnx.convert(model, x)
-    with pytest.raises(fxnx.FxnxValueError, match=r"does not compute what the captured graph computes"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"does not compute what the captured graph computes"):
         fxnx.route_credit(G, model, x)
 
 
@@ -151,7 +152,7 @@ def test_a_graph_that_computes_another_output_than_the_model_is_refused(monkeypa
     model = _built(zoo27.SliceIadd)
     x = torch.randn(5, 4, dtype=torch.float64)
     G = fxnx.convert(model, x)
-    with pytest.raises(fxnx.FxnxValueError, match=r"does not compute what the model computes.*model\.eval\(\)"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"does not compute what the model computes.*model\.eval\(\)"):
         fxnx.route_credit(G, model, x)
 
 
@@ -195,7 +196,7 @@ def test_a_graph_that_fails_shape_propagation_moves_on_to_the_next_route(monkeyp
 
 
 def test_wrong_input_shapes_still_name_the_node():
-    with pytest.raises(fxnx.ShapePropagationError, match=r"(?s)fx node '_1'.*\(3, 5\)"):
+    with pytest.raises(fxnx.errors.ShapePropagationError, match=r"(?s)fx node '_1'.*\(3, 5\)"):
         capture(nn.Sequential(nn.ReLU(), nn.Linear(4, 2)), (torch.randn(3, 5),))
 
 
@@ -261,7 +262,7 @@ def test_convert_warns_when_it_falls_back_to_make_fx():
     x = torch.randn(3, 4, dtype=torch.float64)
     with pytest.warns(UserWarning, match=r"captured with make_fx, as export failed.*refuse it"):
         G = fxnx.convert(model, x, routes=["export", "make_fx"])
-    with pytest.raises(fxnx.FxnxValueError, match="make_fx"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="make_fx"):
         fxnx.route_credit(G, model, x)
     with warnings.catch_warnings(record=True) as caught:  # asked for make_fx: no such warning
         warnings.simplefilter("always")
@@ -280,7 +281,7 @@ def test_a_random_choice_in_python_is_refused_in_training_mode(draw):
         G = fxnx.convert(model, x)
     assert G.graph["capture"] == "symbolic_trace"
     for credit in (lambda: fxnx.route_credit(G, model, x), lambda: fxnx.CreditRouter(G, model)(x)):
-        with pytest.raises(fxnx.FxnxValueError, match=r"credit cannot be routed over Skips.*random.*eval"):
+        with pytest.raises(fxnx.errors.FxnxValueError, match=r"credit cannot be routed over Skips.*random.*eval"):
             credit()
     model.eval()  # no random choice: one graph, routed exactly
     G = fxnx.convert(model, x)
@@ -293,7 +294,7 @@ def test_a_random_branch_that_export_checks_is_refused():
     x = torch.randn(3, 4, dtype=torch.float64)
     with pytest.warns(UserWarning, match=r"not one graph: its control flow read a value drawn at random"):
         G = fxnx.convert(model, x, routes="draft_export")
-    with pytest.raises(fxnx.FxnxValueError, match=r"credit cannot be routed over Skips.*drawn at random"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"credit cannot be routed over Skips.*drawn at random"):
         fxnx.route_credit(G, model, x)
 
 
@@ -302,15 +303,15 @@ def test_a_model_that_changes_itself_while_captured_is_announced():
     x = torch.randn(3, 4, dtype=torch.float64)
     with pytest.warns(UserWarning, match=r"WarmUp changed itself while symbolic_trace captured it.*warm-up call"):
         G = fxnx.convert(model, x)
-    with pytest.raises(fxnx.FxnxValueError, match=r"G lacks nodes .*warm-up call"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"G lacks nodes .*warm-up call"):
         fxnx.route_credit(G, model, x)
     G = fxnx.convert(model, x)  # after the first call: one graph
     _assert_exact(fxnx.route_credit(G, model, x), G, model, x)
 
 
 def test_a_runtime_check_that_fails_on_its_own_inputs_stops_the_ladder(monkeypatch):
-    from fxnx.capturing import ladder
-    from fxnx.capturing.shapes import node_failure
+    from fxnx._capture import ladder
+    from fxnx._capture.shapes import node_failure
 
     tried = []
 
@@ -321,13 +322,13 @@ def test_a_runtime_check_that_fails_on_its_own_inputs_stops_the_ladder(monkeypat
         raise node_failure("shape propagation", check, (False, "Ne(u0, 1)"), {}, RuntimeError("failed"))
 
     monkeypatch.setattr(ladder, "propagate_shapes", failing)
-    with pytest.raises(fxnx.CaptureError, match=r"forward is not one graph.*model\.eval\(\)"):
+    with pytest.raises(fxnx.errors.CaptureError, match=r"forward is not one graph.*model\.eval\(\)"):
         capture(nn.Sequential(nn.Linear(4, 4)), (torch.randn(2, 4),))
     assert len(tried) == 1  # no other route is tried: none would hold every call
 
 
 def test_a_runtime_check_that_fails_says_what_to_do():
-    from fxnx.capturing.shapes import node_failure
+    from fxnx._capture.shapes import node_failure
 
     graph = torch.fx.Graph()
     flag = graph.placeholder("flag")

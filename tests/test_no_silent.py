@@ -52,11 +52,11 @@ def test_stored_concrete_args_never_reach_the_model(tmp_path):
     path = tmp_path / "g.pkl"
     fxnx.write_pickle(fxnx.convert(model, x, concrete_args={"scale": 1000.0}), path)
     G = fxnx.read_pickle(path)  # a file from someone else
-    with pytest.raises(fxnx.FxnxValueError, match="concrete_args 'scale' fixed to 1000.0"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="concrete_args 'scale' fixed to 1000.0"):
         fxnx.route_credit(G, model, x)
-    with pytest.raises(fxnx.FxnxValueError, match="concrete_args 'scale' fixed to 1000.0"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="concrete_args 'scale' fixed to 1000.0"):
         fxnx.CreditRouter(G, model)(x)
-    with pytest.raises(fxnx.FxnxValueError, match="'scale' is 2.0 here, but G was converted with 1000.0"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="'scale' is 2.0 here, but G was converted with 1000.0"):
         fxnx.route_credit(G, model, x, concrete_args={"scale": 2.0})
     # Passed by the caller, with the value the graph was made with: autograd's credit.
     res = fxnx.route_credit(G, model, x, concrete_args={"scale": 1000.0})
@@ -69,18 +69,18 @@ def test_stored_concrete_args_never_reach_the_model(tmp_path):
 def test_an_input_the_caller_passes_is_not_overridden_by_a_concrete_arg():
     model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
     G = fxnx.convert(model, x, concrete_args={"scale": 3.0})
-    with pytest.raises(fxnx.FxnxValueError, match="'scale' fixed to 3.0"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="'scale' fixed to 3.0"):
         fxnx.route_credit(G, model, x, kwargs={"scale": 5.0})
-    with pytest.raises(fxnx.FxnxTypeError, match="'scale' is given both as an input .* and in concrete_args"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="'scale' is given both as an input .* and in concrete_args"):
         fxnx.route_credit(G, model, x, kwargs={"scale": 5.0}, concrete_args={"scale": 3.0})
-    with pytest.raises(fxnx.FxnxTypeError, match="given both"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="given both"):
         fxnx.convert(model, x, kwargs={"scale": 5.0}, concrete_args={"scale": 3.0})
 
 
 def test_a_concrete_arg_the_graph_was_not_made_with_is_refused():
     model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
     G = fxnx.convert(model, x)
-    with pytest.raises(fxnx.FxnxValueError, match="'scale' was not fixed when G was converted"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="'scale' was not fixed when G was converted"):
         fxnx.route_credit(G, model, x, concrete_args={"scale": 2.0})
 
 
@@ -88,11 +88,11 @@ def test_capture_options_that_contradict_the_graph_are_refused():
     model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
     G = fxnx.convert(model, x)
     G.graph["capture_options"]["route"] = "export"
-    with pytest.raises(fxnx.FxnxValueError, match="route 'export' made the graph, but "
+    with pytest.raises(fxnx.errors.FxnxValueError, match="route 'export' made the graph, but "
                        "G.graph\\['capture'\\] says 'symbolic_trace'"):
         fxnx.route_credit(G, model, x)
     G.graph["capture_options"] = {"routes": []}
-    with pytest.raises(fxnx.FxnxValueError, match="not a record fxnx wrote"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="not a record fxnx wrote"):
         fxnx.route_credit(G, model, x)
 
 
@@ -140,7 +140,7 @@ def test_a_forward_patched_after_conversion_is_refused():
     G = fxnx.convert(model, x)  # symbolic_trace: the class's forward
     fxnx.route_credit(G, model, x)
     model.forward = lambda x: F.conv2d(x, model.conv.weight) * 7.0
-    with pytest.raises(fxnx.CaptureError, match="Padded.forward is replaced on this instance"):
+    with pytest.raises(fxnx.errors.CaptureError, match="Padded.forward is replaced on this instance"):
         fxnx.route_credit(G, model, x)
 
 
@@ -191,9 +191,9 @@ def test_a_hook_added_on_a_traced_through_module_is_captured_again():
     router(x)
     model.block.register_forward_hook(lambda mod, args, out: out * 10)
     # The hook adds a node to the forward: the graph no longer describes the model.
-    with pytest.raises(fxnx.FxnxValueError, match="G lacks nodes the model computes"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="G lacks nodes the model computes"):
         fxnx.route_credit(G, model, x)
-    with pytest.raises(fxnx.FxnxValueError, match="G lacks nodes the model computes"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="G lacks nodes the model computes"):
         router(x)
     G2 = fxnx.convert(model, x)
     res = fxnx.route_credit(G2, model, x)
@@ -211,7 +211,7 @@ def test_a_global_hook_is_captured_again():
 
     handle = nn.modules.module.register_module_forward_hook(tenfold)
     try:
-        with pytest.raises(fxnx.FxnxValueError, match="G lacks nodes the model computes"):
+        with pytest.raises(fxnx.errors.FxnxValueError, match="G lacks nodes the model computes"):
             fxnx.route_credit(G, model, x)
     finally:
         handle.remove()
@@ -269,7 +269,7 @@ def test_another_thread_running_the_model_never_enters_the_graph(routes):
         for _ in range(4):
             try:
                 G = fxnx.convert(model, x, routes=routes)
-            except fxnx.ConcurrentUseError:  # export traces the whole process: refused
+            except fxnx.errors.ConcurrentUseError:  # export traces the whole process: refused
                 refused += 1
                 continue
             assert list(G.nodes) == list(want.nodes)
@@ -297,7 +297,7 @@ def test_a_complex_output_needs_its_credit_given():
     torch.manual_seed(0)
     model, x = ComplexOut().double(), torch.randn(2, 3, dtype=F64)
     G = fxnx.convert(model, x)
-    with pytest.raises(fxnx.FxnxValueError, match="output is complex .* pass output_credit="):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="output is complex .* pass output_credit="):
         fxnx.route_credit(G, model, x)
     g = torch.randn(2, 3, dtype=torch.complex128)
     res = fxnx.route_credit(G, model, x, output_credit=g)
@@ -305,16 +305,16 @@ def test_a_complex_output_needs_its_credit_given():
     gx, gw = torch.autograd.grad(model(x_), [x_, model.fc.weight], g)
     assert _rel(res.node_credit["x"], gx) <= 1e-12
     assert _rel(res.param_credit["fc.weight"], gw) <= 1e-12
-    with pytest.raises(fxnx.FxnxTypeError, match="credit must be complex for a complex output"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="credit must be complex for a complex output"):
         fxnx.route_credit(G, model, x, output_credit=g.real)
 
 
 def test_output_credit_of_another_dtype_kind_or_device_is_refused():
     model, x = Scaled().double(), torch.randn(4, 3, dtype=F64)
     G = fxnx.convert(model, x)
-    with pytest.raises(fxnx.FxnxTypeError, match="real floating point for a real one"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="real floating point for a real one"):
         fxnx.route_credit(G, model, x, output_credit=torch.ones(4, 3, dtype=torch.complex128))
-    with pytest.raises(fxnx.FxnxValueError, match="output_credit is on meta, the output on cpu"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="output_credit is on meta, the output on cpu"):
         fxnx.route_credit(G, model, x, output_credit=torch.ones(4, 3, dtype=F64, device="meta"))
 
 
@@ -373,11 +373,11 @@ def _mlp():
 @pytest.mark.parametrize("seed", ["1", 1.5, torch.tensor(1), True])
 def test_a_seed_that_is_not_an_int_is_refused(seed):
     G, model, x = _mlp()
-    with pytest.raises(fxnx.FxnxTypeError, match="seed must be an int"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="seed must be an int"):
         fxnx.route_credit(G, model, x, rule="feedback_alignment", seed=seed)
-    with pytest.raises(fxnx.FxnxTypeError, match="FeedbackAlignment seed must be an int or None"):
-        fxnx.FeedbackAlignment(seed=seed)
-    assert fxnx.FeedbackAlignment(seed=np.int64(3)).seed == 3
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="FeedbackAlignment seed must be an int or None"):
+        fxnx.credit.FeedbackAlignment(seed=seed)
+    assert fxnx.credit.FeedbackAlignment(seed=np.int64(3)).seed == 3
 
 
 @pytest.mark.parametrize(
@@ -391,7 +391,7 @@ def test_a_seed_that_is_not_an_int_is_refused(seed):
 )
 def test_feedback_of_the_wrong_type_is_refused(feedback, match):
     G, model, x = _mlp()
-    with pytest.raises(fxnx.FxnxTypeError, match=match):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match=match):
         fxnx.route_credit(G, model, x, rule="feedback_alignment", feedback=feedback)
 
 
@@ -412,7 +412,7 @@ def test_pythons_random_state_is_left_as_it_was():
     with pytest.warns(UserWarning, match="not one graph"):
         G = fxnx.convert(model, x)
     # A forward that draws from Python's random is not one graph: credit is refused.
-    with pytest.raises(fxnx.FxnxValueError, match="Python's random module"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="Python's random module"):
         fxnx.route_credit(G, model, x)
     assert random.random() == want
 
@@ -420,10 +420,10 @@ def test_pythons_random_state_is_left_as_it_was():
 @pytest.mark.parametrize(
     ("rule", "error", "match"),
     [
-        (lambda call, credit, state: None, fxnx.FxnxTypeError, "returned NoneType None; a rule returns"),
-        (lambda call, credit, state: ([], {}), fxnx.FxnxValueError,
+        (lambda call, credit, state: None, fxnx.errors.FxnxTypeError, "returned NoneType None; a rule returns"),
+        (lambda call, credit, state: ([], {}), fxnx.errors.FxnxValueError,
          "returned 0 input credits; the node has 1 input occurrences .*give None"),
-        (lambda call, credit, state: (None, {}), fxnx.FxnxTypeError, "returned tuple .*; a rule returns"),
+        (lambda call, credit, state: (None, {}), fxnx.errors.FxnxTypeError, "returned tuple .*; a rule returns"),
     ],
     ids=["none", "too-few", "no-list"],
 )
@@ -442,7 +442,7 @@ def test_a_router_refuses_to_be_copied_and_says_what_to_save(how):
     G, model, x = _mlp()
     router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
     router(x)
-    with pytest.raises(fxnx.FxnxTypeError, match="save the model's state_dict and router.feedback"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="save the model's state_dict and router.feedback"):
         how(router)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fxnx import render
+from fxnx import _drawing as dr
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
@@ -49,7 +49,7 @@ def test_the_notebook_is_committed_without_outputs():
     assert code and all(not cell.outputs and cell.execution_count is None for cell in code)
 
 
-@pytest.mark.skipif(render.shutil.which("dot") is None, reason="Graphviz dot not installed")
+@pytest.mark.skipif(dr.graphviz.shutil.which("dot") is None, reason="Graphviz dot not installed")
 def test_the_notebook_runs_and_shows_its_drawings(tmp_path, monkeypatch):
     nb = execute(NOTEBOOK, tmp_path / "tour.ipynb", _kernel(tmp_path, monkeypatch), tmp_path)
     code = [cell for cell in nb.cells if cell.cell_type == "code"]

@@ -40,7 +40,7 @@ def test_every_package_and_module_of_the_checkout_is_in_the_wheel(wheel):
     assert source, "no sources found"
     assert sorted(source - names) == []
     assert "fxnx/py.typed" in names
-    assert "fxnx/credit/__init__.py" in names  # the subpackage an explicit package list left out
+    assert "fxnx/_credit/__init__.py" in names  # the subpackage an explicit package list left out
 
 
 def test_the_wheel_declares_ranges_not_pins(wheel):
@@ -124,7 +124,7 @@ def test_version_prints_without_torch():
 
     from blocktorch import run_without_torch
 
-    proc = run_without_torch("from fxnx.cli import main; raise SystemExit(main(['--version']))")
+    proc = run_without_torch("from fxnx._cli import main; raise SystemExit(main(['--version']))")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"fxnx {fxnx.__version__}"
 

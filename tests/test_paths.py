@@ -13,7 +13,7 @@ import torchvision
 from torch import nn
 
 import fxnx
-from fxnx.paths import path_length_counts, path_length_credit
+from fxnx._paths import path_length_counts, path_length_credit
 
 
 class Block(nn.Module):
@@ -134,7 +134,7 @@ def test_refuses_a_model_in_training_mode():
     net, x = small_net(), torch.randn(1, 2, 8, 8, dtype=torch.float64)
     G = fxnx.convert(net, x)
     net.blocks[1].train()
-    with pytest.raises(fxnx.FxnxValueError, match="blocks.1 is in training mode; call model.eval"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="blocks.1 is in training mode; call model.eval"):
         path_length_credit(G, net, x)
 
 

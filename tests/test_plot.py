@@ -26,7 +26,7 @@ def routed():
 
 def test_credit_by_depth_plots_each_nodes_norm_at_its_depth(routed):
     G, exact, fa = routed
-    ax = fxnx.plot_credit_by_depth(G, {"exact": exact.norms(), "fa": fa.norms()})
+    ax = fxnx.plot.plot_credit_by_depth(G, {"exact": exact.norms(), "fa": fa.norms()})
     exact_line, fa_line = ax.get_lines()
     depths = fxnx.node_depths(G)
     expected = sorted((depths[n], v) for n, v in exact.norms().items() if v)
@@ -38,21 +38,21 @@ def test_credit_by_depth_plots_each_nodes_norm_at_its_depth(routed):
 
 def test_credit_by_depth_defaults_to_the_norms_on_g(routed):
     G, _, fa = routed  # fa ran last, so its norms are on G
-    (line,) = fxnx.plot_credit_by_depth(G).get_lines()
+    (line,) = fxnx.plot.plot_credit_by_depth(G).get_lines()
     assert sorted(line.get_ydata()) == sorted(v for v in fa.norms().values() if v)
 
 
 def test_alignment_plots_the_angle_of_each_layer_in_order(routed):
     G, exact, fa = routed
-    angles = fxnx.credit_alignment(fa, exact)
-    line = fxnx.plot_alignment(G, angles).get_lines()[0]
+    angles = fxnx.credit.credit_alignment(fa, exact)
+    line = fxnx.plot.plot_alignment(G, angles).get_lines()[0]
     assert list(line.get_ydata()) == [angles["_0"]["angle"], angles["_2"]["angle"]]
     assert line.get_ydata()[-1] < 1e-3  # the last layer's output credit is exact under FA
 
 
 def test_census_bars(routed):
     G, *_ = routed
-    ax = fxnx.plot_census(G)
+    ax = fxnx.plot.plot_census(G)
     bars = {t.get_text(): p.get_width() for t, p in zip(ax.get_yticklabels(), ax.patches, strict=True)}
     assert bars == {"Linear": 2, "Tanh": 1}
 

@@ -154,7 +154,7 @@ def test_user_attributes_round_trip_through_pickle_and_json(tmp_path_factory, na
     assert fxnx.read_pickle(path / "g.pkl").nodes["output"][name] == value
     try:
         fxnx.write_json(G, path / "g.json")
-    except fxnx.FxnxValueError:
+    except fxnx.errors.FxnxValueError:
         return  # JSON refuses what it cannot hold (NaN, clashing names) with one error
     # fxnx's JSON keeps tuples apart from lists: the value comes back equal, tuples as tuples
     assert fxnx.read_json(path / "g.json").nodes["output"][name] == value

@@ -4,7 +4,7 @@ Python blocks run in one namespace in a temporary working directory, so the file
 writes land there. A line that is one expression and whose comment starts with a value
 (``G.nodes["conv1"]["out_shape"]   # (1, 64, 112, 112)``) is a claim: the test evaluates the
 expression and checks it equals that value, written by hand in the README. Shell blocks run
-each ``fxnx ...`` line through the command's entry point, ``fxnx.cli.main``, and expect exit
+each ``fxnx ...`` line through the command's entry point, ``fxnx._cli.main``, and expect exit
 code 0. A block that cannot run here is preceded in the README by a visible
 ``<!-- not run: why -->`` comment; those, and only those, are skipped, each listed as a
 skipped test with its reason.
@@ -31,7 +31,7 @@ import torch
 import torchvision
 
 import fxnx
-from fxnx.cli import main as fxnx_main
+from fxnx._cli import main as fxnx_main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

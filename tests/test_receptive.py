@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxnx
-from fxnx.receptive import ReceptiveField, receptive_fields
+from fxnx._receptive import ReceptiveField, receptive_fields
 
 #: Positive sums cannot cancel, only underflow: the smallest non-zero gradient in these tests
 #: (ResNet-18's last convolution, at the corner of its 435-pixel field) is about 6e-16, far
@@ -207,17 +207,17 @@ def test_aten_graph_gives_the_module_graphs_fields(torchvision_model):
 def test_module_nodes_need_the_model(torchvision_model):
     model = torchvision_model("resnet18")
     G = fxnx.convert(model, torch.zeros(1, 3, 32, 32))
-    with pytest.raises(fxnx.FxnxValueError, match=r"node 'conv1' calls .*Conv2d.*pass the model"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node 'conv1' calls .*Conv2d.*pass the model"):
         receptive_fields(G)
 
 
 def test_refusals_name_what_is_missing():
     model = nn.Sequential(nn.Conv2d(3, 4, 3))
     missing = r"no input of shape \(N, C, \*spatial\).*example inputs"
-    with pytest.raises(fxnx.FxnxValueError, match=missing):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=missing):
         receptive_fields(fxnx.convert(model), model)
     G = fxnx.convert(model, torch.zeros(1, 3, 8, 8))
-    with pytest.raises(fxnx.FxnxValueError, match="input='y' is not an input of G"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="input='y' is not an input of G"):
         receptive_fields(G, model, input="y")
-    with pytest.raises(fxnx.FxnxValueError, match="one index per spatial dimension"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="one index per spatial dimension"):
         receptive_fields(G, model)["_0"].box(1)

@@ -18,13 +18,15 @@ import torch
 import torchvision
 
 import fxnx
-from fxnx import _style, render
-from fxnx._checks import check_nodes, without_checks
+import fxnx._drawing.draw
+from fxnx import _drawing as dr
+from fxnx._drawing import style as _style
+from fxnx._drawing.view import check_nodes, without_checks
 
 from zoo import CASES
 
 GOLDEN = Path(__file__).parent / "golden"
-needs_dot = pytest.mark.skipif(render.shutil.which("dot") is None, reason="Graphviz dot not installed")
+needs_dot = pytest.mark.skipif(dr.graphviz.shutil.which("dot") is None, reason="Graphviz dot not installed")
 
 
 def _zoo(name):
@@ -109,7 +111,7 @@ def test_color_by_credit_adds_a_colour_bar():
     text = fxnx.to_pydot(G, color_by="credit_norm").to_string()
     assert all(c in text for c in _style.VIRIDIS)
     assert "credit_norm" in text
-    with pytest.raises(fxnx.FxnxValueError, match="run fxnx.route_credit on G first"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="run fxnx.route_credit on G first"):
         fxnx.to_pydot(_zoo("skip_block"), color_by="credit_norm")
 
 
@@ -142,7 +144,7 @@ def test_too_large_for_png_is_collapsed_with_a_warning(name, tmp_path):
     with pytest.warns(UserWarning, match=r"too large for a readable PNG; drew it with modules collapsed below depth \d"):
         path = fxnx.draw(G, tmp_path / "big.png")
     width, height = _png_size(path)
-    assert max(width, height) <= render.MAX_PIXELS
+    assert max(width, height) <= dr.fit.MAX_PIXELS
     assert height > 1000
 
 
@@ -151,16 +153,16 @@ def test_a_png_too_large_at_the_asked_depth_is_refused(tmp_path, monkeypatch, do
     chain = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(60)))
     G = fxnx.convert(chain, torch.zeros(1, 2))
     runs = dot_runs
-    with pytest.raises(fxnx.FxnxValueError, match="32767-pixel limit"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="32767-pixel limit"):
         fxnx.draw(G, tmp_path / "g.png", dpi=1200, depth=1)  # 60 ranks x 0.75 in x 1200 dpi
     assert not (tmp_path / "g.png").exists()
     assert runs == []  # refused from the prediction, before running Graphviz
 
 
 def test_without_dot_a_clear_error_and_dot_text_still_works(tmp_path, monkeypatch):
-    monkeypatch.setattr(render.shutil, "which", lambda name: None)
+    monkeypatch.setattr(dr.graphviz.shutil, "which", lambda name: None)
     G = _zoo("skip_block")
-    with pytest.raises(fxnx.GraphvizNotFoundError, match="apt-get install graphviz") as info:
+    with pytest.raises(fxnx.errors.GraphvizNotFoundError, match="apt-get install graphviz") as info:
         fxnx.draw(G, tmp_path / "g.png")
     assert isinstance(info.value, ImportError)
     assert not (tmp_path / "g.png").exists()
@@ -169,11 +171,11 @@ def test_without_dot_a_clear_error_and_dot_text_still_works(tmp_path, monkeypatc
 
 def test_bad_options_are_refused(tmp_path):
     G = _zoo("skip_block")
-    with pytest.raises(fxnx.FxnxValueError, match=r"give a \.png, \.svg, \.pdf or \.dot"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"give a \.png, \.svg, \.pdf or \.dot"):
         fxnx.draw(G, tmp_path / "g.jpeg")
-    with pytest.raises(fxnx.FxnxValueError, match="rankdir"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="rankdir"):
         fxnx.to_pydot(G, rankdir="BT")
-    with pytest.raises(fxnx.FxnxValueError, match="depth must be 1 or more"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="depth must be 1 or more"):
         fxnx.to_pydot(G, depth=0)
 
 
@@ -301,7 +303,7 @@ def test_densenet121_png_is_drawn_with_one_graphviz_run(tmp_path, monkeypatch, t
         path = fxnx.draw(G, tmp_path / "densenet121.png")
     assert runs == ["png"]
     width, height = _png_size(path)
-    assert 100 < max(width, height) <= render.MAX_PIXELS
+    assert 100 < max(width, height) <= dr.fit.MAX_PIXELS
 
 
 @needs_dot
@@ -365,7 +367,7 @@ def test_crafted_attributes_cannot_add_nodes_or_markup(depth, tmp_path):
 
     G = _crafted()
     text = fxnx.to_pydot(G, depth=depth, color_by='score"]; evil [label="<IMG SRC=x>').to_string()
-    view = render.collapse(G, depth) if depth else G
+    view = dr.view.collapse(G, depth) if depth else G
     nodes, edges = _parsed_counts(text)
     assert len(nodes) == view.number_of_nodes()
     assert len(edges) == view.number_of_edges()
@@ -375,8 +377,8 @@ def test_crafted_attributes_cannot_add_nodes_or_markup(depth, tmp_path):
         for key, value in item.get_attributes().items():
             if str(value).startswith("<"):  # an HTML-like label: markup only from fxnx
                 assert not re.search(r"<\s*img", value, re.IGNORECASE), (key, value)
-    if render.shutil.which("dot"):
-        done = render.subprocess.run(["dot", "-Tsvg"], input=text.encode(), capture_output=True)
+    if dr.graphviz.shutil.which("dot"):
+        done = dr.graphviz.subprocess.run(["dot", "-Tsvg"], input=text.encode(), capture_output=True)
         assert done.returncode == 0, done.stderr
         assert b"<image" not in done.stdout
         assert b"Warning" not in done.stderr and b"Error" not in done.stderr
@@ -390,7 +392,7 @@ def test_odd_node_names_round_trip_as_ids():
     (parsed,) = pydot.graph_from_dot_data(P.to_string())
     ids = {n.get_name() for n in _all_nodes(parsed)}
     for node in G:
-        assert render.node_id(node) in ids, node
+        assert dr.style.node_id(node) in ids, node
         if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", node):
             assert len(P.get_node(node)) == 1
 
@@ -398,7 +400,7 @@ def test_odd_node_names_round_trip_as_ids():
 @pytest.mark.parametrize("dpi", [-5, 0, 1.5, "96", True, 100_000])
 def test_dpi_is_checked_before_graphviz_runs(dpi, tmp_path, monkeypatch, dot_runs):
     runs = dot_runs
-    with pytest.raises(fxnx.FxnxValueError, match=r"dpi must be a whole number from 1 to 1200"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"dpi must be a whole number from 1 to 1200"):
         fxnx.draw(_zoo("skip_block"), tmp_path / "g.png", dpi=dpi)
     assert runs == [] and list(tmp_path.iterdir()) == []
 
@@ -409,8 +411,8 @@ def test_a_failed_graphviz_run_leaves_the_previous_file(suffix, tmp_path, monkey
     path = tmp_path / f"g.{suffix}"
     path.write_bytes(b"the previous drawing")
     broken = type("Broken", (), {"to_string": lambda self: "digraph { a -> ; }"})()
-    monkeypatch.setattr(render, "_pydot", lambda view, **kw: broken)
-    with pytest.raises(fxnx.FxnxValueError, match="Graphviz's dot failed on"):
+    monkeypatch.setattr(dr.draw, "pydot_of", lambda view, **kw: broken)
+    with pytest.raises(fxnx.errors.FxnxValueError, match="Graphviz's dot failed on"):
         fxnx.draw(_zoo("skip_block"), path)
     assert path.read_bytes() == b"the previous drawing"
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
@@ -421,8 +423,8 @@ def test_a_layout_past_the_time_limit_names_a_depth(tmp_path, monkeypatch, torch
     G = fxnx.convert(torchvision_model("resnet50"), torch.randn(1, 3, 64, 64))
     path = tmp_path / "g.svg"
     path.write_bytes(b"the previous drawing")
-    monkeypatch.setattr(render, "DOT_TIMEOUT", 0.01)
-    with pytest.raises(fxnx.FxnxValueError, match=r"did not lay out g\.svg within .*depth=3 or less"):
+    monkeypatch.setattr(dr.graphviz, "DOT_TIMEOUT", 0.01)
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"did not lay out g\.svg within .*depth=3 or less"):
         fxnx.draw(G, path)
     assert path.read_bytes() == b"the previous drawing"
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
@@ -430,9 +432,9 @@ def test_a_layout_past_the_time_limit_names_a_depth(tmp_path, monkeypatch, torch
 
 def _dot_times_out(monkeypatch):
     def slow(text, fmt, name):
-        raise render.subprocess.TimeoutExpired(["dot"], render.DOT_TIMEOUT)
+        raise dr.graphviz.subprocess.TimeoutExpired(["dot"], dr.graphviz.DOT_TIMEOUT)
 
-    monkeypatch.setattr(render, "_run_dot", slow)
+    monkeypatch.setattr(dr.graphviz, "run_dot", slow)
 
 
 @needs_dot
@@ -446,7 +448,7 @@ def test_a_slow_layout_at_an_asked_depth_names_a_smaller_one(asked, advice, tmp_
                                                              monkeypatch, torchvision_model):
     G = fxnx.convert(torchvision_model("resnet50"), torch.randn(1, 3, 64, 64))  # 3 levels deep
     _dot_times_out(monkeypatch)
-    with pytest.raises(fxnx.FxnxValueError, match=advice):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=advice):
         fxnx.draw(G, tmp_path / "g.pdf", depth=asked)
     assert list(tmp_path.iterdir()) == []
 
@@ -457,7 +459,7 @@ def test_a_slow_layout_without_modules_says_no_depth_helps(tmp_path, monkeypatch
     for _, data in G.nodes(data=True):
         data["scope"], data["op"] = "", "call_function" if data["op"] == "call_module" else data["op"]
     _dot_times_out(monkeypatch)
-    with pytest.raises(fxnx.FxnxValueError, match=r"cannot make it smaller \(it has no nested modules\)"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"cannot make it smaller \(it has no nested modules\)"):
         fxnx.draw(G, tmp_path / "g.svg")
     assert list(tmp_path.iterdir()) == []
 
@@ -490,7 +492,7 @@ class _NormBlock(torch.nn.Module):
 
 def _dot_size(text):
     """The width and height in points of dot's own layout of DOT text: the oracle."""
-    plain = render.subprocess.run(["dot", "-Tplain"], input=text.encode(), capture_output=True,
+    plain = dr.graphviz.subprocess.run(["dot", "-Tplain"], input=text.encode(), capture_output=True,
                                   check=True).stdout.decode()
     width, height = plain.split("\n", 1)[0].split()[2:4]
     return float(width) * 72, float(height) * 72
@@ -498,7 +500,7 @@ def _dot_size(text):
 
 def _dot_ranks(text):
     """Each node's y coordinate in dot's own layout of DOT text (nodes on one rank share it)."""
-    plain = render.subprocess.run(["dot", "-Tplain"], input=text.encode(), capture_output=True,
+    plain = dr.graphviz.subprocess.run(["dot", "-Tplain"], input=text.encode(), capture_output=True,
                                   check=True).stdout.decode()
     return {p[1]: float(p[3]) for p in map(shlex.split, plain.splitlines()) if p[0] == "node"}
 
@@ -519,10 +521,10 @@ def test_blocks_in_sequence_stack_instead_of_drifting_across():
     text = fxnx.to_pydot(G).to_string()
     width, height = _dot_size(text)
     assert width < 1.5 * one
-    drawn = render.fold_parameters(G)  # each layer norm lists its weight and bias
+    drawn = dr.view.fold_parameters(G)  # each layer norm lists its weight and bias
     assert {d["op"] for _, d in drawn.nodes(data=True)} == {"placeholder", "call_function",
                                                              "call_module", "output"}
-    guess = render.estimate(drawn, _style.label_width)  # the prediction follows what dot drew
+    guess = dr.estimate.estimate(drawn, dr.estimate.label_width)  # the prediction follows what dot drew
     assert 0.7 < guess.across / width < 1.5
     assert 0.7 < guess.along / height < 1.5
 
@@ -622,7 +624,7 @@ def test_the_estimate_counts_the_lines_of_listed_parameters():
     text = fxnx.to_pydot(G).to_string()
     assert "parameters only this op reads" in _legend(fxnx.to_pydot(G))
     width, height = _dot_size(text)
-    guess = render._estimate(render.fold_parameters(render._view(G, None)), True)
+    guess = dr.estimate.estimate_view(dr.view.fold_parameters(dr.view.view_of(G, None)), True)
     assert 0.9 < guess.along / height < 1.15, (guess.along, height)  # 0.83 without the lines
     assert 0.7 < guess.across / width < 1.5
 
@@ -632,7 +634,7 @@ def test_a_graph_without_a_model_name_draws():
     G = nx.MultiDiGraph([("x", "y")])
     nx.set_node_attributes(G, {"x": "placeholder", "y": "output"}, "op")
     text = fxnx.to_pydot(G).to_string()
-    done = render.subprocess.run(["dot", "-Tsvg"], input=text.encode(), capture_output=True)
+    done = dr.graphviz.subprocess.run(["dot", "-Tsvg"], input=text.encode(), capture_output=True)
     assert done.returncode == 0, done.stderr
 
 
@@ -660,7 +662,7 @@ def test_constants_made_by_tracing_collapse_into_their_module():
 
     G = fxnx.convert(torch.nn.Sequential(torch.nn.Sequential(Shifted())), torch.zeros(1, 2))
     assert any(d.get("op") == "get_attr" and "." not in d["target"] for _, d in G.nodes(data=True))
-    assert {d.get("op") for _, d in render.collapse(G, 1).nodes(data=True)} == {
+    assert {d.get("op") for _, d in dr.view.collapse(G, 1).nodes(data=True)} == {
         "placeholder", "module", "output"}
 
 
@@ -675,23 +677,23 @@ def test_swin_png_depth_is_chosen_once_and_fits(tmp_path, monkeypatch, dot_runs)
         path = fxnx.draw(G, tmp_path / "swin.png")
     assert runs == ["png"]
     width, height = _png_size(path)
-    assert max(width, height) <= render.MAX_PIXELS
+    assert max(width, height) <= dr.fit.MAX_PIXELS
     # What dot drew is what was predicted to fit: within the area limit, give or take a half.
-    assert width * height / 96**2 <= 1.5 * render.PNG_AREA
+    assert width * height / 96**2 <= 1.5 * dr.fit.PNG_AREA
     depth = int(re.search(r"below depth (\d)", str(caught[0].message)).group(1))
-    deeper = render.collapse(without_checks(G), depth + 1)
-    w, h = _dot_size(render.to_pydot(deeper).to_string())
-    assert w * h / 72**2 > render.PNG_AREA  # one level deeper would not have fit
+    deeper = dr.view.collapse(without_checks(G), depth + 1)
+    w, h = _dot_size(dr.dot.to_pydot(deeper).to_string())
+    assert w * h / 72**2 > dr.fit.PNG_AREA  # one level deeper would not have fit
 
 
 def _deepest_fitting_depth(G, dpi=96):
     """The PNG depth by brute force: every depth collapsed and estimated, deepest fit wins."""
-    if render._fits_png(render._estimate(render.fold_parameters(G), True), dpi):
+    if dr.fit.fits_png(dr.estimate.estimate_view(dr.view.fold_parameters(G), True), dpi):
         return None
-    top = render.module_depth(G) - 1
+    top = dr.view.module_depth(G) - 1
     for depth in range(top, 0, -1):
-        drawn = render.fold_parameters(render.collapse(G, depth))
-        if render._fits_png(render._estimate(drawn, True), dpi):
+        drawn = dr.view.fold_parameters(dr.view.collapse(G, depth))
+        if dr.fit.fits_png(dr.estimate.estimate_view(drawn, True), dpi):
             return depth
     return 1
 
@@ -712,16 +714,16 @@ def test_png_depth_of_timm_models_is_what_trying_every_depth_picks(name):
 
 def _check_png_depth(model):
     G = without_checks(fxnx.convert(model, torch.randn(1, 3, 224, 224)))
-    depth, view, _ = render._png_depth(G, 96, True)
+    depth, view, _ = dr.fit.png_depth(G, 96, True)
     assert depth is not None  # too large in full
     assert depth == _deepest_fitting_depth(G)
     assert all("branch_role" in d for _, d in view.nodes(data=True))  # its own skip marks
-    for d in range(1, render.module_depth(G) + 1):  # the count it passes over by: a floor
-        assert render.collapsed_size(G, d) <= render._view(G, d).number_of_nodes()
+    for d in range(1, dr.view.module_depth(G) + 1):  # the count it passes over by: a floor
+        assert dr.view.collapsed_size(G, d) <= dr.view.view_of(G, d).number_of_nodes()
 
 
 def test_no_estimate_is_smaller_than_the_area_floor():
-    from fxnx._layout import NODE_PAD, area_floor
+    from fxnx._drawing.estimate import NODE_PAD, area_floor
 
     rng = torch.Generator().manual_seed(0)
     for trial in range(40):
@@ -735,9 +737,9 @@ def test_no_estimate_is_smaller_than_the_area_floor():
         widths = {node: NODE_PAD + float(torch.randint(0, 100, (1,), generator=rng))
                   for node in G}
         for clusters in (True, False):
-            e = render.estimate(G, lambda node, data, w=widths: w[node], clusters=clusters)
+            e = dr.estimate.estimate(G, lambda node, data, w=widths: w[node], clusters=clusters)
             assert e.across * e.along >= area_floor(widths.values())
-    e = render.estimate(nx.MultiDiGraph([(0, 1)]), lambda node, data: NODE_PAD)
+    e = dr.estimate.estimate(nx.MultiDiGraph([(0, 1)]), lambda node, data: NODE_PAD)
     assert e.across * e.along == pytest.approx(area_floor([NODE_PAD] * 2))  # one a rank: the floor
 
 
@@ -747,7 +749,7 @@ def test_no_estimate_is_smaller_than_the_area_floor():
 def _label_and_node_boxes(text):
     """Boxes (x0, y0, x1, y1) in points of every node and edge label in dot's own layout of
     DOT text (``-Tjson``): the oracle for what covers what."""
-    out = render.subprocess.run(["dot", "-Tjson"], input=text.encode(), capture_output=True,
+    out = dr.graphviz.subprocess.run(["dot", "-Tjson"], input=text.encode(), capture_output=True,
                                 check=True).stdout
     layout = json.loads(out)
     nodes = {}
@@ -780,7 +782,7 @@ def _overlap(a, b, tolerance=2.0):
 @pytest.mark.parametrize("depth", [1, 2, None])
 def test_edge_labels_cover_no_node_and_no_other_label(depth, rankdir, tmp_path, torchvision_model):
     G = fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 3, 64, 64))
-    text = fxnx.draw(G, tmp_path / "g.dot", depth=depth or render.module_depth(G),
+    text = fxnx.draw(G, tmp_path / "g.dot", depth=depth or dr.view.module_depth(G),
                      rankdir=rankdir).read_text()
     nodes, labels = _label_and_node_boxes(text)
     assert len(labels) == fxnx.to_pydot(G, depth=depth).to_string().count("label=\" ")
@@ -815,7 +817,7 @@ def test_dot_text_written_by_draw_makes_the_same_png(options, dpi, tmp_path, tor
         dot = fxnx.draw(G, tmp_path / "g.dot", dpi=dpi, **options)
     assert [str(w.message) for w in dot_warnings] == [str(w.message) for w in png_warnings]
     # The oracle: Graphviz run by hand on the file, as a user would, with no other option.
-    done = render.subprocess.run(["dot", "-Tpng", str(dot)], capture_output=True, check=True)
+    done = dr.graphviz.subprocess.run(["dot", "-Tpng", str(dot)], capture_output=True, check=True)
     assert done.stdout == png
     assert f"dpi={dpi}" in dot.read_text()
 
@@ -823,13 +825,13 @@ def test_dot_text_written_by_draw_makes_the_same_png(options, dpi, tmp_path, tor
 @needs_dot
 def test_dot_text_of_a_large_graph_carries_the_layouts_limits(tmp_path, torchvision_model):
     G = fxnx.convert(torchvision_model("densenet121"), torch.randn(1, 3, 64, 64))
-    full = render.module_depth(G)  # every node: what SVG draws
+    full = dr.view.module_depth(G)  # every node: what SVG draws
     text = fxnx.draw(G, tmp_path / "g.dot", depth=full).read_text()
     import pydot
 
     (P,) = pydot.graph_from_dot_data(text)
     attrs = P.get_attributes()
-    expected = render.bounded_options(render._estimate(render._view(without_checks(G), full), True))
+    expected = dr.estimate.bounded_options(dr.estimate.estimate_view(dr.view.view_of(without_checks(G), full), True))
     assert expected  # DenseNet-121 in full is past the work at which dot's passes are limited
     assert {key: attrs[key] for key in expected} == expected
     with warnings.catch_warnings():

@@ -162,28 +162,28 @@ def test_misuse_is_refused_with_what_to_do():
     model = nn.Sequential(nn.Linear(3, 2))
     x = torch.randn(4, 3)
     router = fxnx.CreditRouter(fxnx.convert(model, x), model)
-    with pytest.raises(fxnx.FxnxValueError, match=r"call output = router\(x\)"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"call output = router\(x\)"):
         router.backward(torch.tensor(1.0))
     out = router(x)
-    with pytest.raises(fxnx.FxnxValueError, match="exactly one"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="exactly one"):
         router.backward(out.sum(), output_credit=torch.ones(4, 2))
-    with pytest.raises(fxnx.FxnxValueError, match=r"loss must be a scalar .*shape \(4, 2\)"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"loss must be a scalar .*shape \(4, 2\)"):
         router.backward(out * 2)
-    with pytest.raises(fxnx.FxnxValueError, match="does not depend on the output"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="does not depend on the output"):
         router.backward(torch.tensor(1.0, requires_grad=True) * 2)
     router.backward(out.sum())
-    with pytest.raises(fxnx.FxnxValueError, match="once per forward"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="once per forward"):
         router.backward(out.sum())
-    with pytest.raises(fxnx.FxnxValueError, match="unknown rule 'fa'"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="unknown rule 'fa'"):
         fxnx.CreditRouter(fxnx.convert(model, x), model, rule="fa")
-    with pytest.raises(fxnx.FxnxValueError, match=r"rules name nodes that G does not have: \['nope'\]"):
-        fxnx.CreditRouter(fxnx.convert(model, x), model, rules={"nope": fxnx.Exact()})
-    with pytest.raises(fxnx.FxnxTypeError, match=r"pass an instance: Exact\(\)"):
-        fxnx.CreditRouter(fxnx.convert(model, x), model, rules={nn.Linear: fxnx.Exact})
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"rules name nodes that G does not have: \['nope'\]"):
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rules={"nope": fxnx.credit.Exact()})
+    with pytest.raises(fxnx.errors.FxnxTypeError, match=r"pass an instance: Exact\(\)"):
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rules={nn.Linear: fxnx.credit.Exact})
 
 
 def test_the_plan_is_compiled_once(monkeypatch):
-    from fxnx.credit import engine
+    from fxnx._credit import router as engine
 
     compiled = []
     real = engine.compile_plan

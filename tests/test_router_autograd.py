@@ -247,12 +247,12 @@ def _bad(result):
 @pytest.mark.parametrize(
     ("result", "error", "match"),
     [
-        (lambda call, c: None, fxnx.FxnxTypeError, r"returned NoneType .* returns \(input_credits, param_credits\)"),
-        (lambda call, c: ([], {}), fxnx.FxnxValueError, r"returned 0 input credits; the node has 1"),
-        (lambda call, c: ([c[:, :2]], {}), fxnx.FxnxValueError,
+        (lambda call, c: None, fxnx.errors.FxnxTypeError, r"returned NoneType .* returns \(input_credits, param_credits\)"),
+        (lambda call, c: ([], {}), fxnx.errors.FxnxValueError, r"returned 0 input credits; the node has 1"),
+        (lambda call, c: ([c[:, :2]], {}), fxnx.errors.FxnxValueError,
          r"rule 'rule' at node '_1': credit for input 0 \(from '_0'\) has shape \(4, 2\), expected \(4, 7\)"),
-        (lambda call, c: ([1.5], {}), fxnx.FxnxTypeError, r"credit for input 0 .* is float"),
-        (lambda call, c: ([c], {"0.weight": c}), fxnx.FxnxValueError,
+        (lambda call, c: ([1.5], {}), fxnx.errors.FxnxTypeError, r"credit for input 0 .* is float"),
+        (lambda call, c: ([c], {"0.weight": c}), fxnx.errors.FxnxValueError,
          r"returned credit for parameter '0.weight', which is not the node's own"),
     ],
     ids=["none", "too-few", "shape", "float", "other-parameter"],
@@ -273,23 +273,23 @@ def test_parameter_credit_of_the_wrong_shape_is_refused():
     model = _mlp(5, 7, 3)
     x = torch.randn(4, 5, dtype=f64)
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rules={"_2": rule})
-    with pytest.raises(fxnx.FxnxValueError, match=r"credit for parameter '2.weight' has shape \(7,\), expected \(3, 7\)"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"credit for parameter '2.weight' has shape \(7,\), expected \(3, 7\)"):
         router(x).sum().backward()
 
 
 def test_preset_keys_must_be_node_kinds():
-    with pytest.raises(fxnx.FxnxValueError, match=r"key '_2', which is not a node kind .* rules=\{'_2': ...\}"):
-        fxnx.PRESETS["feedback_alignment"] | {"_2": fxnx.Exact()}
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"key '_2', which is not a node kind .* rules=\{'_2': ...\}"):
+        fxnx.credit.PRESETS["feedback_alignment"] | {"_2": fxnx.credit.Exact()}
     model = _mlp(5, 7, 3)
     x = torch.randn(4, 5, dtype=f64)
-    with pytest.raises(fxnx.FxnxValueError, match="not a node kind"):
-        fxnx.CreditRouter(fxnx.convert(model, x), model, rule={3: fxnx.Exact()})
+    with pytest.raises(fxnx.errors.FxnxValueError, match="not a node kind"):
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rule={3: fxnx.credit.Exact()})
 
 
 def test_a_router_cannot_be_pickled_or_copied_and_says_what_to_do():
     model = _mlp(5, 7, 3)
     router = fxnx.CreditRouter(fxnx.convert(model, torch.randn(2, 5, dtype=f64)), model)
-    with pytest.raises(fxnx.FxnxTypeError, match="build a new router"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="build a new router"):
         copy.deepcopy(router)
 
 

@@ -130,7 +130,7 @@ def test_sign_symmetry_refuses_a_weight_written_between_forward_and_backward():
     out = router(x)
     with torch.no_grad():
         model[2].weight.mul_(2)
-    with pytest.raises(fxnx.FxnxValueError, match="written in place .* between the forward pass"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="written in place .* between the forward pass"):
         out.sum().backward()
 
 

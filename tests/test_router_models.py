@@ -203,7 +203,7 @@ def test_a_value_written_in_place_and_read_again_is_refused_or_exported():
     model = _WritesThenReads().double()
     x = torch.randn(4, 4, dtype=torch.float64)
     router = fxnx.CreditRouter(fxnx.convert(model, x), model)
-    with pytest.raises(fxnx.FxnxValueError, match=r"'relu_' writes into 'l1' in place.*h = h.relu_\(\)"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"'relu_' writes into 'l1' in place.*h = h.relu_\(\)"):
         router(x)
     # torch.export records the write: there the router trains as autograd does.
     start = copy.deepcopy(model)
@@ -337,7 +337,7 @@ def test_every_preset_takes_a_step(model_name):
     model.train()
     G = fxnx.convert(model, x)
     y = torch.randint(0, 5, (2,))
-    for rule in fxnx.PRESETS:
+    for rule in fxnx.credit.PRESETS:
         mine = copy.deepcopy(model)
         before = [p.detach().clone() for p in mine.parameters()]
         router = fxnx.CreditRouter(G, mine, rule=rule, seed=0)
@@ -433,7 +433,7 @@ def test_dfa_feedback_size_on_resnet18():
     total = sum(B.numel() for B in fb.values())
     assert total == sum(10 * m.in_channels * m.kernel_size[0] * m.kernel_size[1] for m in convs.values()) + 5120
     assert sum(B.numel() for B in feedback(32, "direct_feedback_alignment")[2].values()) == total
-    dense = fxnx.DirectFeedbackAlignment(spatial=False)
+    dense = fxnx.credit.DirectFeedbackAlignment(spatial=False)
     G, _, fb = feedback(64, {nn.Conv2d: dense, nn.Linear: dense})
     for name, B in fb.items():
         (shape,) = [s for *_, s in G.in_edges(name, data="shape")]
@@ -449,17 +449,17 @@ def test_misuse_says_what_to_do():
     router = fxnx.CreditRouter(fxnx.convert(model, x), model)
     with torch.no_grad():
         out = router(x)
-    with pytest.raises(fxnx.FxnxValueError, match=r"ran under torch.no_grad\(\)"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"ran under torch.no_grad\(\)"):
         router.backward(out.sum())
     first, _ = router(x), router(x)
-    with pytest.raises(fxnx.FxnxValueError, match="nor from an earlier call's output"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="nor from an earlier call's output"):
         router.backward(first.sum())
-    with pytest.raises(fxnx.FxnxValueError, match="not from model"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="not from model"):
         router.backward(model(x).sum())
     router.backward(router(x).sum())
-    with pytest.raises(fxnx.FxnxValueError, match="already called on the last forward"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="already called on the last forward"):
         router.backward(first.sum())
     router(x).sum().backward()  # the primary path: autograd routes it
     model.append(nn.Tanh())  # the model changed after G was converted
-    with pytest.raises(fxnx.FxnxValueError, match="convert it again and build a new router"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="convert it again and build a new router"):
         router(x)

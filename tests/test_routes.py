@@ -100,7 +100,7 @@ def test_data_dependent_branch_falls_back_to_draft_export_and_warns():
         assert cap.method == "draft_export", cap.failures
         assert [route for route, _ in cap.failures] == ["symbolic_trace", "export"]
         assert any("holds for such inputs only" in m for m in caught)
-        G = fxnx.graph_from_capture(cap)
+        G = fxnx._convert.graph_from_capture(cap)
         targets = {d["target"] for _, d in G.nodes(data=True)}
         # Only the branch this input took is in the graph.
         assert ("torch.ops.aten.mul.Tensor" in targets) is took_positive
@@ -161,7 +161,7 @@ def test_a_failure_outside_any_submodule_cannot_be_kept_whole_so_the_ladder_goes
 
 
 def test_when_every_route_fails_the_error_lists_each_one():
-    with pytest.raises(fxnx.CaptureError) as info:
+    with pytest.raises(fxnx.errors.CaptureError) as info:
         fxnx.convert(Gated(), torch.ones(2, 4), routes=["symbolic_trace", "export"])
     message = str(info.value)
     assert message.startswith("no capture route worked for Gated:")
@@ -173,7 +173,7 @@ def test_when_every_route_fails_the_error_lists_each_one():
 
 
 def test_routes_that_need_inputs_say_so():
-    with pytest.raises(fxnx.CaptureError, match="export needs example inputs"):
+    with pytest.raises(fxnx.errors.CaptureError, match="export needs example inputs"):
         fxnx.convert(Gated(), routes=["symbolic_trace", "export"])
 
 
@@ -186,7 +186,7 @@ def test_routes_that_need_inputs_say_so():
     ],
 )
 def test_bad_routes_are_value_errors(options, match):
-    with pytest.raises(fxnx.FxnxValueError, match=match):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=match):
         fxnx.convert(nn.Linear(4, 2), torch.randn(1, 4), **options)
 
 

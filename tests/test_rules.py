@@ -102,7 +102,7 @@ def test_a_brsf_step_can_be_routed_again_with_its_magnitudes():
     assert torch.equal(again.node_credit["_1"], res.node_credit["_1"])
     fresh = fxnx.route_credit(G, model, x, rule="brsf", output_credit=e, seed=1)
     assert not torch.equal(fresh.node_credit["_1"].abs(), router.feedback["_2"])
-    with pytest.raises(fxnx.FxnxValueError, match="uses sign"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match="uses sign"):
         fxnx.route_credit(G, model, x, rule="usf", feedback=router.feedback)
 
 
@@ -193,7 +193,7 @@ def test_feedback_alignment_inside_attention():
     # out_proj's own weight credit is exact: the credit reaching it is exact (head's input
     # credit went through head's B, so compare with the same credit through exact routing).
     exact_below_head = fxnx.route_credit(
-        G, model, x, mask, rule=fxnx.PRESETS["feedback_alignment"] | {nn.MultiheadAttention: fxnx.Exact()},
+        G, model, x, mask, rule=fxnx.credit.PRESETS["feedback_alignment"] | {nn.MultiheadAttention: fxnx.credit.Exact()},
         output_credit=e,
     )
     assert torch.allclose(fa.node_credit["getitem"], exact_below_head.node_credit["getitem"], rtol=1e-12, atol=0)
@@ -232,12 +232,12 @@ def test_attention_built_from_linear_layers_uses_feedback_weights():
 
 
 def test_presets_compose_and_stay_read_only():
-    fa = fxnx.PRESETS["feedback_alignment"]
-    mine = fa | {nn.Linear: fxnx.Exact()}
-    assert isinstance(mine[nn.Linear], fxnx.Exact) and isinstance(fa[nn.Linear], fxnx.FeedbackAlignment)
-    assert isinstance(({nn.Tanh: fxnx.Exact()} | fa)[nn.Tanh], fxnx.Exact)
+    fa = fxnx.credit.PRESETS["feedback_alignment"]
+    mine = fa | {nn.Linear: fxnx.credit.Exact()}
+    assert isinstance(mine[nn.Linear], fxnx.credit.Exact) and isinstance(fa[nn.Linear], fxnx.credit.FeedbackAlignment)
+    assert isinstance(({nn.Tanh: fxnx.credit.Exact()} | fa)[nn.Tanh], fxnx.credit.Exact)
     with pytest.raises(TypeError):
-        fxnx.PRESETS["mine"] = mine  # type: ignore[index]
+        fxnx.credit.PRESETS["mine"] = mine  # type: ignore[index]
     model = _mlp(5, 7, 3)
     x = torch.randn(4, 5, dtype=f64)
     with pytest.warns(UserWarning, match=r"'feedback_alignment\|custom' applies to no node"):
@@ -246,7 +246,7 @@ def test_presets_compose_and_stay_read_only():
 
 
 def test_a_rule_object_of_ones_own_and_a_seed_of_its_own():
-    class Halve(fxnx.Rule):
+    class Halve(fxnx.credit.Rule):
         name = "halve"
 
         def __call__(self, call, credit, state):
@@ -260,18 +260,18 @@ def test_a_rule_object_of_ones_own_and_a_seed_of_its_own():
     exact = fxnx.route_credit(G, model, x)
     assert res.rules["_1"] == "halve"
     assert torch.allclose(res.node_credit["_0"], exact.node_credit["_0"] / 2, rtol=1e-15, atol=0)
-    a = fxnx.route_credit(G, model, x, rule={nn.Linear: fxnx.FeedbackAlignment(seed=5)}, seed=1)
-    b = fxnx.route_credit(G, model, x, rule={nn.Linear: fxnx.FeedbackAlignment(seed=5)}, seed=2)
+    a = fxnx.route_credit(G, model, x, rule={nn.Linear: fxnx.credit.FeedbackAlignment(seed=5)}, seed=1)
+    b = fxnx.route_credit(G, model, x, rule={nn.Linear: fxnx.credit.FeedbackAlignment(seed=5)}, seed=2)
     assert torch.equal(a.feedback["_2"], b.feedback["_2"])  # its own seed wins
 
 
 def test_feedback_rules_refuse_layers_without_weights():
     model = _mlp(5, 7, 3)
     x = torch.randn(4, 5, dtype=f64)
-    with pytest.raises(fxnx.FxnxTypeError, match=r"node '_1' \(Tanh\) has no weight"):
-        fxnx.route_credit(fxnx.convert(model, x), model, x, rules={nn.Tanh: fxnx.FeedbackAlignment()})
-    with pytest.raises(fxnx.FxnxValueError, match="magnitude must be one of"):
-        fxnx.SignSymmetry("random")
+    with pytest.raises(fxnx.errors.FxnxTypeError, match=r"node '_1' \(Tanh\) has no weight"):
+        fxnx.route_credit(fxnx.convert(model, x), model, x, rules={nn.Tanh: fxnx.credit.FeedbackAlignment()})
+    with pytest.raises(fxnx.errors.FxnxValueError, match="magnitude must be one of"):
+        fxnx.credit.SignSymmetry("random")
 
 
 @pytest.mark.parametrize(
@@ -285,7 +285,7 @@ def test_feedback_rules_refuse_layers_without_weights():
     ids=["batch_first", "kdim_vdim", "padding_per_head", "unbatched"],
 )
 def test_the_recomputed_attention_is_torchs(config):
-    from fxnx.credit.transport import attention
+    from fxnx._credit.transport import attention
 
     torch.manual_seed(0)
     m = nn.MultiheadAttention(8, 2, batch_first=config["batch_first"], kdim=config.get("kdim"),

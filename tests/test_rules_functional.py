@@ -135,7 +135,7 @@ def test_module_without_dedicated_transport_uses_functional_call():
     model = nn.Sequential(Conv1D(5, 3), nn.Tanh(), Conv1D(2, 5)).to(D)  # weights (in, out)
     x, e = _data()
     G = fxnx.convert(model, x, leaf_modules=[Conv1D])
-    res = fxnx.route_credit(G, model, x, output_credit=e, rule={Conv1D: fxnx.FeedbackAlignment()})
+    res = fxnx.route_credit(G, model, x, output_credit=e, rule={Conv1D: fxnx.credit.FeedbackAlignment()})
     assert res.rules["_0"] == res.rules["_2"] == "feedback_alignment"
     B2 = res.feedback["_2"]
     assert B2.shape == model[2].weight.shape == (5, 2)

@@ -308,7 +308,7 @@ def test_format_3_records_without_kind_still_validate():
         del record["kind"]
     fxnx.validate(G)
     G.graph["skip_connections"][0]["kind"] = "residualish"
-    with pytest.raises(fxnx.GraphContractError, match="skip_connections"):
+    with pytest.raises(fxnx.errors.GraphContractError, match="skip_connections"):
         fxnx.validate(G)
 
 
@@ -317,5 +317,5 @@ def test_summary_counts_residuals_and_parallel_branches():
                      torch.randn(1, 3, 64, 64))
     info = fxnx.summary(G)
     assert (info["skip_connections"], info["identity_skips"], info["parallel_branches"]) == (0, 0, 9)
-    assert "9 other parallel branches" in fxnx.format_summary(info)
+    assert "9 other parallel branches" in fxnx._analysis.format_summary(info)
     assert isinstance(G, nx.MultiDiGraph)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxnx
-from fxnx.capturing import capture
-from fxnx.capturing.tracer import Tracer
+from fxnx._capture import capture
+from fxnx._capture.tracer import Tracer
 
 
 class Shared(nn.Module):

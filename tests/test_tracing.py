@@ -47,13 +47,13 @@ def test_not_a_model_is_a_type_error_naming_what_was_received(bad):
 
 
 def test_a_model_name_string_gets_a_hint():
-    with pytest.raises(fxnx.FxnxTypeError, match=r"get_model\('resnet18', weights=None\)"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match=r"get_model\('resnet18', weights=None\)"):
         fxnx.convert("resnet18")
 
 
 def test_wrong_input_shape_names_node_target_and_shapes():
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(3, 2))
-    with pytest.raises(fxnx.ShapePropagationError) as info:
+    with pytest.raises(fxnx.errors.ShapePropagationError) as info:
         fxnx.convert(model, torch.randn(5, 8))
     message = str(info.value)
     assert "fx node '_2'" in message
@@ -66,12 +66,12 @@ def test_wrong_input_shape_names_node_target_and_shapes():
 
 
 def test_wrong_input_shape_on_resnet18(torchvision_model):
-    with pytest.raises(fxnx.ShapePropagationError, match=r"(?s)fx node 'conv1' .*\(1, 1, 64, 64\)"):
+    with pytest.raises(fxnx.errors.ShapePropagationError, match=r"(?s)fx node 'conv1' .*\(1, 1, 64, 64\)"):
         fxnx.convert(torchvision_model("resnet18"), torch.randn(1, 1, 64, 64))
 
 
 def test_data_dependent_control_flow_names_the_line_and_what_to_do():
-    with pytest.raises(fxnx.CaptureError) as info:
+    with pytest.raises(fxnx.errors.CaptureError) as info:
         fxnx.convert(DataDependent(), torch.randn(2, 4), routes="symbolic_trace")
     message = str(info.value)
     assert "test_tracing.py" in message
@@ -81,7 +81,7 @@ def test_data_dependent_control_flow_names_the_line_and_what_to_do():
 
 
 def test_control_flow_in_a_submodule_suggests_that_leaf():
-    with pytest.raises(fxnx.CaptureError, match=r"(?s)if x.mean\(\) > 0.*leaf_modules=\['gate'\]"):
+    with pytest.raises(fxnx.errors.CaptureError, match=r"(?s)if x.mean\(\) > 0.*leaf_modules=\['gate'\]"):
         fxnx.convert(HasGate(), torch.randn(2, 4), routes="symbolic_trace")
 
 
@@ -92,16 +92,16 @@ def test_the_suggested_leaf_module_works():
 
 
 def test_inputs_that_do_not_fit_forward_are_a_type_error():
-    with pytest.raises(fxnx.FxnxTypeError, match=r"ReLU.forward\(input: torch.Tensor\).*too many positional"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match=r"ReLU.forward\(input: torch.Tensor\).*too many positional"):
         fxnx.convert(nn.ReLU(), torch.randn(2), torch.randn(2))
-    with pytest.raises(fxnx.FxnxTypeError, match="missing 'y'"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="missing 'y'"):
         fxnx.convert(lambda x, y: x + y, torch.randn(2))
 
 
 def test_unknown_leaf_module_name_suggests_real_ones():
-    with pytest.raises(fxnx.FxnxValueError, match=r"'lin2'.*did you mean one of \['lin'\]"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"'lin2'.*did you mean one of \['lin'\]"):
         fxnx.convert(HasGate(), torch.randn(2, 4), leaf_modules=["lin2"])
-    with pytest.raises(fxnx.FxnxTypeError, match="leaf_modules entries"):
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="leaf_modules entries"):
         fxnx.convert(HasGate(), torch.randn(2, 4), leaf_modules=[3])
 
 
@@ -204,7 +204,7 @@ def test_a_model_without_inputs_converts_summarises_draws_and_routes(tmp_path):
     model = _NoInputs()
     G = fxnx.convert(model)
     assert sorted(G) == ["mul", "output", "p", "tanh"] and G.nodes["mul"]["out_shape"] == (3,)
-    assert "get_attr" in fxnx.format_summary(fxnx.summary(G))
+    assert "get_attr" in fxnx._analysis.format_summary(fxnx.summary(G))
     assert fxnx.skip_connections(G) == []
     assert fxnx.draw(G, tmp_path / "g.dot").read_text().startswith("digraph")
     res = fxnx.route_credit(G, model)

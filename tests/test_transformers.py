@@ -94,7 +94,7 @@ def test_attention_and_mlp_residuals_are_found(name):
 
 def test_repeated_credit_runs_capture_once(monkeypatch):
     """transformers rebuilds some attributes on every call; they must not defeat the reuse."""
-    from fxnx.capturing import reuse as _reuse
+    from fxnx._capture import reuse as _reuse
 
     model, args, kwargs = _model_and_inputs("bert")
     G = fxnx.convert(model, *args, kwargs=kwargs)

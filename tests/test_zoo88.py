@@ -11,7 +11,7 @@ For each model of ``tests/zoo88.py``, in eval mode:
    module's output in float32;
 3. credit in float64 (zero-initialised parameters re-initialised first) equals
    ``torch.autograd.grad`` of the sum of the float outputs at every parameter, relative
-   error at most 1e-10; or, where credit is refused, one ``fxnx.FxnxError`` whose message
+   error at most 1e-10; or, where credit is refused, one ``fxnx.errors.FxnxError`` whose message
    says why and what to do;
 4. the default PNG is within the bound ``fxnx.draw`` promises (Graphviz's 32,767 pixels, and
    the area of ``PNG_AREA`` square inches with the slack ``tests/test_draw_bounds.py``
@@ -36,7 +36,8 @@ import torch
 import zoo88
 
 import fxnx
-from fxnx import render
+import fxnx._drawing.draw
+from fxnx import _drawing as dr
 
 pytestmark = pytest.mark.slow
 
@@ -189,7 +190,7 @@ def _check_refusal(entry: zoo88.Entry, G, model, args, kwargs) -> dict[str, Any]
     try:
         fxnx.route_credit(G, model, *args, kwargs=kwargs)
     except Exception as err:
-        if not isinstance(err, fxnx.FxnxError) or not re.search(entry.refused, str(err)):
+        if not isinstance(err, fxnx.errors.FxnxError) or not re.search(entry.refused, str(err)):
             raise CreditWrong(f"refused with {err!r}, expected an FxnxError matching {entry.refused!r}") from err
         refusal = str(err)
     else:
@@ -225,7 +226,7 @@ def _check_drawing(G, tmp_path: Path) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the depth chosen is announced
             fxnx.draw(G, path)
-    except fxnx.FxnxValueError as err:
+    except fxnx.errors.FxnxValueError as err:
         message = str(err)
         depths = [int(d) for d in re.findall(r"depth=(-?\d+)", message)]
         if any(d < 1 for d in depths) or "smaller depth" in message:
@@ -239,9 +240,9 @@ def _check_drawing(G, tmp_path: Path) -> dict[str, Any]:
         raise DrawingUnbounded(f"draw failed: {type(err).__name__}: {err}") from err
     width, height, dpi = png_size(path)
     area = width * height / dpi**2
-    if max(width, height) > render.MAX_PIXELS or area > AREA_SLACK * render.PNG_AREA:
+    if max(width, height) > dr.fit.MAX_PIXELS or area > AREA_SLACK * dr.fit.PNG_AREA:
         raise DrawingUnbounded(f"{width} by {height} pixels at {dpi:g} dpi: {area:,.0f} square inches, "
-                               f"the bound is {render.PNG_AREA:g} (with slack {AREA_SLACK})")
+                               f"the bound is {dr.fit.PNG_AREA:g} (with slack {AREA_SLACK})")
     return {"png": (width, height, dpi)}
 
 

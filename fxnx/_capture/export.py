@@ -1,0 +1,61 @@
+"""The ``export`` route: :func:`torch.export.export`, non-strict.
+
+It handles Python control flow on shapes (loops over ``x.size(0)``), which it
+unrolls for the example. The graph is ATen-level; its placeholders are the
+inputs' pytree leaves, in order, and its nodes carry ``meta["nn_module_stack"]``.
+Keyword inputs are passed as keywords.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .._compat import pytree
+from .._errors import CaptureError, first_line
+from .._state import preserved
+from .common import Route, RouteResult, as_module, drawn, draws_varies, quiet
+from .inputs import Inputs
+from .options import CaptureOptions
+
+__all__ = ["ROUTE", "export_graph"]
+
+
+def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphModule, str]:
+    """The graph ``torch.export`` (non-strict) or ``torch.export.draft_export`` makes, and why
+    it holds one random draw of the model's, if it does: the model drew from Python's
+    ``random`` (or NumPy's) while traced, a choice held in the graph. torch's own generator is
+    not watched: export traces fake tensors, which draw nothing, and draft_export runs the
+    model's random operations, which its graph records."""
+    module = as_module(model)
+    args, kwargs = tuple(inputs.args), dict(inputs.kwargs)
+    name = "torch.export.draft_export" if draft else "torch.export.export(strict=False)"
+    try:
+        with preserved(module), quiet(), drawn(torch_rng=False) as draws:
+            if draft:
+                program = torch.export.draft_export(module, args, kwargs)
+            else:
+                program = torch.export.export(module, args, kwargs, strict=False)
+            gm = program.module(check_guards=False)
+    except Exception as err:
+        raise CaptureError(f"{name} failed: {type(err).__name__}: {first_line(err)}") from err
+    varies = draws_varies(draws, name)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    leaves = pytree.tree_leaves((args, kwargs))
+    if len(placeholders) != len(leaves):
+        raise CaptureError(
+            f"{name} made a graph with {len(placeholders)} inputs for {len(leaves)} input "
+            "values; fxnx cannot tell which is which"
+        )
+    return gm, varies
+
+
+def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:
+    assert inputs is not None  # the ladder checks needs_inputs
+    gm, varies = export_graph(model, inputs, draft=False)
+    return RouteResult(gm, varies=varies)
+
+
+ROUTE = Route(name="export", level="aten", needs_inputs=True, run=_run)

@@ -1,0 +1,185 @@
+"""The credit run computes what the model computes: the writes it must follow, and its output.
+
+A model may write in place into a value that later nodes read: ``x[:, :2] += y``,
+``torch.ops.aten.copy_(h[:, :2], y)``, a write through a view, or one inside a wrapped
+function or a module the graph calls whole. :func:`probe` runs the captured graph once,
+without gradients, and tells from autograd's version counters which node writes into which
+earlier nodes' values (every write autograd sees, however it is spelled), and whether a later
+node reads what it wrote. :mod:`.graft` then runs such a write in place, as the model does,
+and gives every node whose value it overwrites a value of its own for reporting its credit;
+a write no later node reads may run out of place.
+
+The same run gives the captured graph's output on these inputs. The credit run is checked
+against it the first time it runs (:func:`differs`, once per graft, so later calls pay
+nothing), and the captured graph against ``model(...)`` itself once per capture
+(:mod:`.engine`): a credit run never returns an output the model would not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from .._capture.shapes import mutable, node_failure
+from .._compat import pytree, version
+
+__all__ = ["Probe", "differs", "probe"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one run of a captured graph showed.
+
+    Attributes
+    ----------
+    writers : dict
+        Node name to the names of the earlier nodes whose values it wrote into in place
+        (they share storage with what it wrote: the written tensor, its views, its base).
+    written : dict
+        Node name to the input occurrences (``_callinfo.occurrences`` order) whose storage it
+        wrote into.
+    observed : frozenset of str
+        The writers whose write something sees afterwards: a later node reads one of those
+        values, the graph returns one, or one is an input or a parameter or buffer of the model.
+    shared : frozenset of str
+        Nodes that handed back a tensor an earlier node also holds (``nn.Identity``,
+        dropout in eval mode, ``getitem`` of a tuple, an in-place op returning its input).
+    output : Any
+        The graph's output (in the model's structure).
+    """
+
+    writers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    written: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    observed: frozenset[str] = frozenset()
+    shared: frozenset[str] = frozenset()
+    output: Any = None
+
+
+def probe(gm: fx.GraphModule, values: list[Any]) -> Probe:
+    """Run ``gm`` on ``values`` node by node (the caller holds ``torch.no_grad()`` and restores
+    the model's buffers and random state) and return what it wrote where.
+
+    A node that fails raises the error naming it (:func:`~fxnx._capture.shapes.node_failure`).
+    Every value is kept until the end, so no two values share storage by chance.
+    """
+    run = _Run(gm)
+    output = run.run(*values)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    observed = set()
+    for writer, victims in run.writes.items():
+        if any(
+            v.op in ("placeholder", "get_attr")
+            or any(position[u] > position[writer] for u in v.users)
+            for v in victims
+        ):
+            observed.add(writer.name)
+    return Probe(
+        writers={w.name: tuple(v.name for v in victims) for w, victims in run.writes.items()},
+        written=run.written,
+        observed=frozenset(observed),
+        shared=frozenset(run.shared),
+        output=output,
+    )
+
+
+class _Run(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.extra_traceback = False  # node_failure names the node
+        self.owners: dict[int, list[fx.Node]] = {}  # storage -> the nodes whose values live there
+        self.held: dict[int, Tensor] = {}  # storage -> a tensor on it, for its version counter
+        self.writes: dict[fx.Node, list[fx.Node]] = {}
+        self.written: dict[str, tuple[int, ...]] = {}
+        self.ids: set[int] = set()
+        self.shared: set[str] = set()
+
+    def run_node(self, n: fx.Node) -> Any:
+        args, kwargs = mutable(self.fetch_args_kwargs_from_env(n))
+        # A node writes into what it is given: only its arguments' storages are watched
+        # (their views and bases share the storage and autograd's version counter).
+        watched = {k: version(self.held[k]) for k in map(_storage, _tensors((args, kwargs)))
+                   if k in self.held}
+        try:
+            value = getattr(self, n.op)(n.target, args, kwargs)
+        except Exception as err:
+            raise node_failure("the credit run's forward pass", n, args, kwargs, err) from err
+        changed = {k for k, before in watched.items() if version(self.held[k]) != before}
+        if changed:
+            victims: list[fx.Node] = []
+            for k in changed:
+                victims.extend(v for v in self.owners[k] if v not in victims)
+            self.writes[n] = victims
+            sources: list[fx.Node] = []
+            fx.node.map_arg((n.args, n.kwargs), lambda a: sources.append(a) or a)  # type: ignore[func-returns-value]
+            self.written[n.name] = tuple(
+                i for i, src in enumerate(sources)
+                if any(_storage(t) in changed for t in _tensors(self.env.get(src)))
+            )
+        if n.op == "output":
+            return value
+        tensors = _tensors(value)
+        if any(id(t) in self.ids for t in tensors):
+            self.shared.add(n.name)
+        for t in tensors:
+            self.ids.add(id(t))
+            k = _storage(t)
+            if k is not None:
+                owners = self.owners.setdefault(k, [])
+                if n not in owners:
+                    owners.append(n)
+                self.held.setdefault(k, t)
+        return value
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor)]
+
+
+def _storage(t: Tensor) -> int | None:
+    """The address of ``t``'s storage (shared by its views), or None for a tensor without one."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
+        return None
+    return ptr or None
+
+
+def differs(got: Any, want: Any) -> str | None:
+    """Where the tensors of ``got`` differ from those of ``want``, in words, or None.
+
+    Tensors are compared leaf by leaf (pytree order): shapes and dtypes exactly, integers and
+    booleans exactly, floating values to a relative norm of ``1000·eps`` of their dtype (a
+    hundredth at most), NaNs where the other has NaNs. Structures with different numbers of
+    tensors are not compared (None).
+    """
+    a, b = _tensors(got), _tensors(want)
+    if len(a) != len(b):
+        return None
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        where = "the output" if len(a) == 1 else f"output tensor {i}"
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"{where} has shape {tuple(x.shape)} {x.dtype}, not {tuple(y.shape)} {y.dtype}"
+        if x.is_meta or y.is_meta or x.numel() == 0:
+            continue
+        x, y = x.detach(), y.detach()
+        if not (x.is_floating_point() or x.is_complex()):
+            if not torch.equal(x, y):
+                return f"{where} differs in {int((x != y).sum())} of {x.numel()} values"
+            continue
+        nan = x.isnan()
+        if not torch.equal(nan, y.isnan()):
+            return f"{where} has NaN in other places"
+        x, y = x.masked_fill(nan, 0), y.masked_fill(nan, 0)
+        if not torch.equal(x.isinf(), y.isinf()) or not torch.equal(x[x.isinf()], y[y.isinf()]):
+            return f"{where} has infinities in other places"
+        x, y = x.masked_fill(x.isinf(), 0), y.masked_fill(y.isinf(), 0)
+        eps = torch.finfo(x.real.dtype if x.is_complex() else x.dtype).eps
+        scale = float(torch.linalg.vector_norm(y.double() if not y.is_complex() else y.cdouble()))
+        error = float(torch.linalg.vector_norm((x - y).double() if not x.is_complex() else (x - y).cdouble()))
+        if error > min(1e3 * eps, 1e-2) * scale + 1e-30:
+            return f"{where} differs by {error / scale if scale else error:.3g} (relative norm)"
+    return None

@@ -1,0 +1,201 @@
+"""A routing plan: everything about routing over ``G`` that does not change from step to step.
+
+:func:`compile_plan` resolves, once per captured graph: the rule bound to each
+node, which input occurrence each edge of ``G`` stands for, which occurrences
+have no edge in ``G`` (an edge removed from ``G``: its value still flows forward,
+but it carries no credit back), which parameters each node owns, and the
+checks that make routing over ``G`` faithful to the model. :mod:`.graft` turns
+the plan into the router's forward, in which autograd itself carries the
+credit backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+from torch import Tensor, nn
+
+from .._callinfo import bind_call, fetch_attr, occurrences
+from .._errors import FxnxValueError
+from .nodecall import NodeCall, written_input
+
+__all__ = ["Entry", "Plan", "compile_plan"]
+
+#: Chooses the rule of a node: (skeleton call) -> (bound rule, its reported name).
+Chooser = Callable[[NodeCall], tuple[Any, str]]
+
+
+@dataclass
+class Entry:
+    """One fx node, compiled."""
+
+    node: fx.Node
+    call: NodeCall  # name, op, target, module, sources, labels, params, param_inputs; no values
+    cut: frozenset[int] = frozenset()  # input occurrences with no edge in G: no credit flows
+    rule: Any = None  # None for placeholders, get_attr and output
+    rule_name: str = "exact"
+    param: str | None = None  # get_attr: the trainable parameter it reads
+
+
+@dataclass
+class Plan:
+    """A compiled routing plan over one captured graph; see :func:`compile_plan`."""
+
+    gm: fx.GraphModule
+    entries: list[Entry]  # in fx order
+    params: dict[str, Tensor]  # qualified name to every trainable parameter credit can reach
+    counters: list[Tensor] = field(default_factory=list)  # see _untraced_counters
+
+    @property
+    def rules(self) -> dict[str, Any]:
+        """Node name to its bound rule."""
+        return {e.call.name: e.rule for e in self.entries if e.rule is not None}
+
+
+def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Chooser) -> Plan:
+    """Compile the routing plan of ``G`` over the captured graph ``gm`` of ``model``.
+
+    ``choose`` gives each computing node its bound rule.
+    """
+    named = model.named_parameters() if isinstance(model, nn.Module) else ()
+    param_names = {id(p): name for name, p in named}
+    entries: dict[str, Entry] = {}
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+        _, names = bind_call(node, gm)
+        occ = list(occurrences(node, names))
+        params = {}
+        if module is not None:
+            params = {
+                param_names.get(id(p), f"{node.target}.{n}"): p
+                for n, p in module.named_parameters()
+                if p.requires_grad
+            }
+        call = NodeCall(
+            name=node.name, op=node.op, target=node.target, module=module,
+            sources=[src.name for _, src in occ], labels=[label for label, _ in occ],
+            inputs=[], output=None, params=params, args=node.args, kwargs=dict(node.kwargs),
+            param_inputs=_param_inputs(gm, [src.name for _, src in occ], entries),
+        )
+        entry = Entry(node=node, call=call)
+        if node.op == "get_attr":
+            value = fetch_attr(gm, node.target)  # type: ignore[arg-type]
+            if isinstance(value, nn.Parameter) and value.requires_grad and id(value) in param_names:
+                entry.param = param_names[id(value)]
+        entries[node.name] = entry
+    _check_nodes(G, list(entries))
+    _check_writes(gm)
+    for entry in entries.values():
+        call = entry.call
+        if call.op in ("placeholder", "get_attr"):
+            continue
+        matched = set(_match_edges(G, call).values())
+        entry.cut = frozenset(k for k in range(len(call.sources)) if k not in matched)
+        if call.op != "output":
+            entry.rule, entry.rule_name = choose(call)
+    params: dict[str, Tensor] = {}
+    for entry in entries.values():
+        params.update(entry.call.params)
+        if entry.param is not None:
+            params[entry.param] = fetch_attr(gm, entry.node.target)  # type: ignore[arg-type]
+    return Plan(gm, list(entries.values()), params, _untraced_counters(gm, model))
+
+
+def _untraced_counters(gm: fx.GraphModule, model: Any) -> list[Tensor]:
+    """The ``num_batches_tracked`` buffers the model's forward bumps but the graph does not.
+
+    A batch norm written in Python (timm's ``BatchNormAct2d``) runs
+    ``self.num_batches_tracked.add_(1)`` on a real buffer: a symbolic trace runs it
+    once while tracing and records nothing. Such a module, traced through (no
+    ``call_module`` node calls it or a module holding it), in training mode with
+    ``track_running_stats``, and whose counter no node reads, has its counter
+    bumped once per forward, as ``nn.BatchNorm2d`` bumps its own.
+    """
+    if not isinstance(model, nn.Module):
+        return []
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    read = {id(fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}  # type: ignore[arg-type]
+    counters = []
+    for path, module in model.named_modules():
+        counter = getattr(module, "num_batches_tracked", None)
+        if not (isinstance(counter, Tensor) and module.training and getattr(module, "track_running_stats", False)):
+            continue
+        if id(counter) in read or any(path == c or path.startswith(c + ".") or not c for c in called):
+            continue
+        counters.append(counter)
+    return counters
+
+
+def _param_inputs(gm: fx.GraphModule, sources: list[str], entries: dict[str, Entry]) -> dict[int, tuple[str, Tensor]]:
+    """Input occurrence to (qualified name, parameter) for the sources that are trainable
+    parameters (get_attr nodes; their entries come before any node that reads them)."""
+    found = {}
+    for k, src in enumerate(sources):
+        entry = entries.get(src)
+        if entry is not None and entry.param is not None:
+            found[k] = (entry.param, fetch_attr(gm, entry.node.target))  # type: ignore[arg-type]
+    return found
+
+
+def _check_writes(gm: fx.GraphModule) -> None:
+    """Refuse a value written in place and read again afterwards under its old name.
+
+    ``h.relu_()`` with its result dropped, then ``l2(h)``: the model's ``l2`` reads
+    the written values, but the captured graph (and ``G``) has ``l2`` read ``h``
+    itself, so neither the forward nor the credit would follow the model.
+    """
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        written = written_input(node)
+        if written is None or written.op == "get_attr":  # buffers: updated as in model(x)
+            continue
+        later = sorted((u for u in written.users if position[u] > position[node]), key=position.__getitem__)
+        if later:
+            raise FxnxValueError(
+                f"node {node.name!r} writes into {written.name!r} in place, and later nodes "
+                f"({', '.join(repr(u.name) for u in later[:4])}) read {written.name!r} again: "
+                "the model's forward reads the written values there, but the captured graph "
+                f"reads {written.name!r} as it was, so credit cannot follow the model. In the "
+                "model, use the in-place call's result (h = h.relu_() or h = torch.relu(h)), "
+                "or convert with routes='export' (which records the write)"
+            )
+
+
+
+def _check_nodes(G: nx.MultiDiGraph, model_nodes: list[str]) -> None:
+    missing = [n for n in model_nodes if n not in G]
+    extra = sorted(set(G) - set(model_nodes))
+    if missing:
+        raise FxnxValueError(
+            f"G lacks nodes the model computes: {missing[:8]}{' …' if len(missing) > 8 else ''}. "
+            "Route over the graph fxnx.convert made from this model (with the same "
+            "leaf_modules and concrete_args); to cut credit paths, remove edges, not nodes. "
+            "If the model changed since G was converted (a model that changes itself on its "
+            "first call needs that call before it is converted: a warm-up call), convert it "
+            "again and build a new router."
+        )
+    if extra:
+        raise FxnxValueError(
+            f"G has nodes the model does not compute: {extra[:8]}; was G converted from "
+            "another model, or with other leaf_modules or concrete_args?"
+        )
+
+
+def _match_edges(G: nx.MultiDiGraph, call: NodeCall) -> dict[tuple[str, str, int], int]:
+    """Each in-edge of the node in G, mapped to the input occurrence it stands for."""
+    index = {(src, label): i for i, (src, label) in enumerate(zip(call.sources, call.labels, strict=True))}
+    matched = {}
+    for u, v, key, arg in G.in_edges(call.name, keys=True, data="arg"):
+        i = index.get((u, arg))
+        if i is None:
+            raise FxnxValueError(
+                f"G has an edge {u} -> {v} (arg {arg!r}) that is not an input of node {v!r} in "
+                "the model; credit can only be routed along the model's own dataflow"
+            )
+        matched[(u, v, key)] = i
+    return matched
+

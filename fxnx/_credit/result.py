@@ -1,0 +1,95 @@
+"""What a credit run gives back: the credit at every node and parameter."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._compat import pytree
+from .nodecall import Credit
+
+__all__ = ["CreditResult", "credit_norm", "credit_norms"]
+
+
+@dataclass
+class CreditResult:
+    """The credit every node and parameter received in one routing run.
+
+    Attributes
+    ----------
+    node_credit : dict
+        Node name to the credit with respect to that node's output: a tensor of
+        the output's shape, a tuple for multi-output nodes, or None (no credit,
+        or a node that produces no tensor). Empty after ``CreditRouter.backward``
+        unless it was asked for (``node_credit=True``).
+    param_credit : dict
+        Qualified parameter name (as in ``model.named_parameters()``) to its credit
+        in this run (what ``CreditRouter.backward`` added to its ``.grad``).
+    rules : dict
+        Node name to the name of the rule that routed through it.
+    rule : str
+        The preset the run used.
+    feedback : dict
+        Node name to the feedback weights its rule holds (see ``CreditRouter.feedback``).
+    output : Any
+        The model's output in the recorded forward pass.
+    """
+
+    node_credit: dict[str, Credit]
+    param_credit: dict[str, Tensor]
+    rules: dict[str, str]
+    rule: str
+    feedback: dict[str, Tensor] = field(default_factory=dict)
+    output: Any = None
+
+    def __repr__(self) -> str:
+        """A summary (rule, counts, the output, the largest credits), never the tensors: a
+        ResNet's result would print hundreds of thousands of numbers."""
+        with_credit = {n: v for n, v in self.norms().items() if v is not None}
+        top = sorted(with_credit.items(), key=lambda item: -item[1])[:3]
+        shapes = [tuple(t.shape) for t in pytree.tree_leaves(self.output) if isinstance(t, Tensor)]
+        output = shapes[0] if len(shapes) == 1 else f"{len(shapes)} tensors" if shapes else None
+        return (
+            f"CreditResult(rule={self.rule!r}: {self.describe() or 'no nodes'}; credit at "
+            f"{len(with_credit)} of {len(self.node_credit)} nodes, {len(self.param_credit)} "
+            f"parameters; output {output}; feedback for {len(self.feedback)} nodes; largest "
+            f"credit norms: {', '.join(f'{n} {v:.3g}' for n, v in top) or 'none'})"
+        )
+
+    def norms(self) -> dict[str, float | None]:
+        """The Euclidean norm of each node's credit (None where it has none)."""
+        return {name: credit_norm(c) for name, c in self.node_credit.items()}
+
+    def describe(self) -> str:
+        """Which rule routed through how many nodes: say where a preset fell back to exact."""
+        counts = Counter(self.rules.values())
+        return ", ".join(f"{rule} on {n} node{'s' * (n != 1)}" for rule, n in counts.most_common())
+
+
+def credit_norm(credit: Credit) -> float | None:
+    """The Euclidean norm of a credit, over all its tensors; None if it has none."""
+    norms = [torch.linalg.vector_norm(t.detach()) for t in pytree.tree_flatten(credit)[0] if isinstance(t, Tensor)]
+    if not norms:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack(norms).double()))
+
+
+def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
+    """:func:`credit_norm` of each node's credit (the credits of one tensor all at once: one
+    norm each, read back together)."""
+    norms: dict[str, float | None] = {}
+    single: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor]]] = {}
+    for name, c in node_credit.items():
+        if isinstance(c, Tensor):
+            norms[name] = None  # its place, filled below
+            single.setdefault((c.dtype, c.device), []).append((name, torch.linalg.vector_norm(c.detach())))
+        else:
+            norms[name] = credit_norm(c)
+    for group in single.values():
+        for (name, _), value in zip(group, torch.stack([n for _, n in group]).tolist(), strict=True):
+            norms[name] = float(value)
+    return norms

@@ -1,0 +1,702 @@
+"""Training with credit routed over the graph: a module whose backward is the routing."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import Tensor, nn
+
+from .._capture import TRACING_LOCK
+from .._capture.fingerprint import fingerprint, structure
+from .._capture.inputs import bind_inputs, qualname
+from .._capture.ladder import Capture
+from .._capture.options import LeafSpec
+from .._capture.reuse import inputs_key, kept_on, placeholders_for, recapture, traced_through
+from .._compat import pytree
+from .._contract import validate
+from .._errors import FxnxError, FxnxTypeError, FxnxValueError
+from .._state import preserved
+from . import feedback as fb
+from .compare import cosine_angle, flat
+from .faithful import Probe, differs, probe
+from .graft import Graft, graft
+from .nodecall import NodeCall
+from .plan import Plan, compile_plan
+from .presets import PRESETS, Preset, check_kinds, lookup
+from .result import CreditResult
+from .rules import Exact, Rule, Transport, check_rule, rule_name
+from .transport import feedback_weights
+
+__all__ = ["CreditRouter"]
+
+_EXACT = Exact()
+_RESULT = "\0result"  # the model's output among the values whose credit backward() reports
+#: Where on G the captures checked against the model are noted (capture id -> weak reference).
+_CHECKED = "_fxnx_checked"
+
+
+class CreditRouter(nn.Module):
+    """The model, trained by a learning rule: credit routed over ``G`` inside autograd.
+
+    ``router(*inputs, **kwargs)`` is the model's forward over its captured graph:
+    the same output (to feed any loss), buffers (BatchNorm's running statistics)
+    updated as ``model(...)`` updates them. Its backward is routing over ``G``:
+    ``loss.backward()`` sends credit backward in ``G``'s reverse topological
+    order along ``G``'s edges, each node's backward being torch's own for that
+    node or its rule's, and adds each trainable parameter's credit into its
+    ``.grad``. Everything PyTorch training relies on therefore holds: terms of
+    the loss that do not pass through the output (weight decay, regularisers)
+    get their exact gradient, several forwards before one backward add up, each
+    forward's backward routes that forward (threads included), ``.grad``
+    accumulates across backward calls, frozen parameters are left alone, and
+    ``DistributedDataParallel(router)``, ``torch.autocast``,
+    ``torch.utils.checkpoint`` and optimizers work unchanged. With
+    ``rule="exact"`` the router is the model, bit for bit.
+
+    The router is an ``nn.Module`` holding ``model``: ``router.parameters()`` and
+    buffers are the model's. The capture of the model and the routing plan are
+    made on the first call and reused while the model's structure and the
+    inputs' structure stay the same; ``G`` is validated once, here. Where every
+    node is routed exactly and no edge of ``G`` is removed, routing *is* autograd's:
+    after the first call (which checks that the captured graph computes what the
+    model computes), the router's forward is then the model's own, at the cost
+    of checking that the model's structure is still the one ``G`` describes.
+
+    Parameters
+    ----------
+    G : networkx.MultiDiGraph
+        The graph :func:`fxnx.convert` made of ``model``, possibly with edges
+        removed (an edge removed carries no credit; its value still flows forward).
+    model : nn.Module or callable
+    rule : str, Preset or mapping
+        A preset name (``"exact"``, ``"feedback_alignment"``, ``"usf"``,
+        ``"brsf"``, ``"frsf"``, ``"direct_feedback_alignment"``, ``"kolen_pollack"``,
+        ``"weight_mirror"``; see
+        ``fxnx.credit.PRESETS``), a :class:`Preset`, or a mapping of node kinds to
+        rules (a preset over exact).
+    rules : mapping, optional
+        Rules that override the preset, keyed by node name (str), module
+        class, function, or ``method("name")``.
+    seed : int
+        Seeds the rules' random feedback weights (each per node).
+    feedback : mapping, optional
+        Node name to feedback weights to use instead of drawing them (as in
+        :attr:`feedback` of another router, or ``CreditResult.feedback``).
+    node_credit : bool
+        Keep every node's value from the forward, so that
+        ``router.backward(..., node_credit=True)`` reports the credit at every
+        node (memory: every activation is kept until that backward).
+    leaf_modules : optional
+        Rarely needed: ``G`` carries the options it was captured with
+        (``G.graph["capture_options"]``); these replace the stored ones.
+    concrete_args : mapping, optional
+        The ``concrete_args`` ``G`` was converted with, if any: they change what the model
+        computes, so the ones ``G`` stores are checked against these, never applied.
+
+    Raises
+    ------
+    FxnxValueError, FxnxTypeError
+        ``G`` is not a graph of a module-level capture; an unknown preset; a
+        preset key that is not a node kind; a rule that is not a rule; a rule
+        for a node ``G`` lacks. At the first call: the model's forward is not one
+        graph, or a write in place that later nodes read would be lost (see
+        :func:`fxnx.route_credit`).
+
+    Examples
+    --------
+    >>> import torch, fxnx
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    >>> x, y = torch.randn(8, 3), torch.randn(8, 2)
+    >>> router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    >>> opt = torch.optim.SGD(router.parameters(), lr=0.1, weight_decay=1e-4)
+    >>> for step in range(3):
+    ...     opt.zero_grad()
+    ...     loss = torch.nn.functional.mse_loss(router(x), y)
+    ...     loss.backward()
+    ...     opt.step()
+    >>> sorted(router.feedback)
+    ['_0', '_2']
+    """
+
+    def __init__(
+        self,
+        G: nx.MultiDiGraph,
+        model: nn.Module | Callable[..., Any],
+        rule: str | Mapping[Any, Any] = "exact",
+        *,
+        rules: Mapping[Any, Any] | None = None,
+        seed: int = 0,
+        feedback: Mapping[str, Any] | None = None,
+        node_credit: bool = False,
+        leaf_modules: Iterable[LeafSpec] = (),
+        concrete_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(G, nx.MultiDiGraph):
+            raise FxnxTypeError(
+                f"G must be the networkx.MultiDiGraph from fxnx.convert, got {type(G).__qualname__}"
+            )
+        self.preset = _preset(rule)
+        validate(G)  # the graph contract: acyclic, every attribute of the right type
+        route = G.graph.get("capture", "auto")
+        if route == "make_fx" or G.graph.get("level") == "joint":
+            raise FxnxValueError(
+                f"G was captured with make_fx (level={G.graph.get('level')!r}), whose inputs are "
+                "the parameters themselves; route credit over a graph from convert(model, x) at "
+                "level='module' (symbolic_trace, export or draft_export)"
+            )
+        overrides = dict(rules or {})
+        for key, value in overrides.items():
+            check_rule(value, f"rules[{key!r}]")
+        for kind, value in self.preset.items():
+            check_rule(value, f"the rule for {kind!r}")
+        self._by_name = {k: v for k, v in overrides.items() if isinstance(k, str)}
+        self._by_kind = {k: v for k, v in overrides.items() if not isinstance(k, str)}
+        check_kinds(self._by_kind, "rules")
+        seed = fb.check_seed(seed, "CreditRouter")
+        if feedback is not None and not isinstance(feedback, Mapping):
+            raise FxnxTypeError(
+                f"feedback must map node names to feedback weights (router.feedback, "
+                f"CreditResult.feedback), got {type(feedback).__qualname__}"
+            )
+        unknown = sorted(set(self._by_name) - set(G))
+        unknown_fb = sorted(set(feedback or {}) - set(G))
+        if unknown or unknown_fb:
+            what = "rules" if unknown else "feedback"
+            raise FxnxValueError(f"{what} name nodes that G does not have: {unknown or unknown_fb}")
+        if isinstance(model, nn.Module):
+            self.model = model
+        else:  # a plain callable: not a submodule
+            object.__setattr__(self, "model", model)
+        self.G = G
+        self.seed = seed
+        self.node_credit = bool(node_credit)
+        self._given = dict(feedback or {})
+        # G carries the options it was captured with; these, when given, replace them.
+        self._capture = {"leaf_modules": leaf_modules, "concrete_args": concrete_args}
+        self._plans: dict[int, Plan] = {}
+        self._grafts: dict[tuple[int, bool], Graft] = {}
+        self._bound: dict[tuple[str, int, int], Any] = {}
+        self._plan: Plan | None = None
+        self._fast: dict[bool, tuple[Any, Graft, Capture]] = {}
+        self._positional = False
+        #: Number of positional inputs to the keywords the model's own forward is called
+        #: with besides them (what convert fixes), where binding leaves the inputs as given.
+        self._fixed: dict[int, dict[str, Any]] = {}
+        self._watched: dict[int, list[nn.Module]] = {}
+        self._last = threading.local()  # this thread's last forward, for backward()
+
+    @property
+    def feedback(self) -> dict[str, Any]:
+        """Node name to the feedback weights its rule holds (empty before the first call;
+        direct feedback alignment draws its projections on first use)."""
+        if self._plan is None:
+            return {}
+        return {
+            name: rule.feedback for name, rule in self._plan.rules.items()
+            if getattr(rule, "feedback", None) is not None
+        }
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The model's forward on ``inputs``, with the rules in its backward."""
+        if not torch.is_grad_enabled():  # nothing to route afterwards: the plain forward
+            self._last.run = None
+            self._last.why = (
+                "the last router(...) call ran under torch.no_grad() (or inference mode), "
+                "which records nothing: call it with gradients enabled"
+            )
+            return self.model(*inputs, **kwargs)
+        run, values = self.grafted(inputs, kwargs, collect=self.node_credit)
+        with TRACING_LOCK:  # other threads' tracing must not patch the modules this run calls
+            if run.plain:  # routing is autograd's own: the model's forward, bit for bit
+                result = output = self._eager(inputs, kwargs)
+                nodes = None
+            else:
+                result, output, nodes = run_checked(run, self.model, values)
+        self._last.run = (run, result, output, nodes)
+        return result
+
+    def _eager(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """The model called on ``inputs`` as its capture was (the keyword arguments convert
+        fixes, such as ``use_cache=False``, and the ``concrete_args`` given)."""
+        concrete = dict(self._capture["concrete_args"] or {})
+        fixed = None if kwargs else self._fixed.get(len(inputs))
+        if fixed is not None:  # positional inputs bound as they come: no binding again
+            return self.model(*inputs, **fixed, **concrete)
+        bound = bind_inputs(self.model, inputs, kwargs, concrete, copy=False)
+        if bound is None:
+            return self.model(*inputs, **kwargs)
+        if not kwargs and len(bound.args) == len(inputs) and all(
+            a is b for a, b in zip(bound.args, inputs, strict=True)
+        ) and not any(isinstance(v, Tensor) for v in pytree.tree_leaves(bound.kwargs)):
+            self._fixed[len(inputs)] = dict(bound.kwargs)  # only what fxnx fixes: use_cache=False
+        return self.model(*bound.args, **bound.kwargs, **concrete)
+
+    def backward(  # type: ignore[override]
+        self, loss: Tensor | None = None, *, output_credit: Any = None, node_credit: bool = False
+    ) -> CreditResult:
+        """Route the credit of this thread's last forward, as ``loss.backward()`` would, and
+        report it.
+
+        ``loss.backward()`` does the same and is the primary path; this call also
+        returns what was routed, and takes the credit at the output itself.
+
+        Parameters
+        ----------
+        loss : tensor, optional
+            A scalar; every parameter's credit is ``d(loss)/d(parameter)`` as the
+            rules route it (terms that do not pass through the output are exact).
+        output_credit : tensor or structure like the output, optional
+            The credit at the output itself, instead of ``loss``.
+        node_credit : bool
+            Report every node's credit too (the router must have been built
+            with ``node_credit=True``).
+
+        Returns
+        -------
+        CreditResult
+            Its tensors are its own: what was added to each ``.grad``, not ``.grad``.
+
+        Raises
+        ------
+        FxnxValueError
+            No forward to route (call ``router(x)`` first, once per backward);
+            both or neither of ``loss`` and ``output_credit``; a loss that is not
+            a scalar or does not depend on the output.
+        """
+        last = getattr(self._last, "run", None)
+        if last is None:
+            why = getattr(self._last, "why", "")
+            raise FxnxValueError(
+                "router.backward needs a forward to route: call output = router(x), compute "
+                "the loss from that output, then router.backward(loss) (once per forward)"
+                + (f"; {why}" if why else "")
+            )
+        if (loss is None) == (output_credit is None):
+            raise FxnxValueError(
+                "router.backward takes either loss or output_credit=…, exactly one of them"
+            )
+        run, result, output, nodes = last
+        if node_credit and nodes is None:
+            raise FxnxValueError(
+                "router.backward(node_credit=True) needs every node's value from the forward: "
+                "build the router with CreditRouter(G, model, ..., node_credit=True)"
+            )
+        if loss is not None:
+            _check_loss(loss)
+            roots, grads = [loss], None
+        else:
+            flat = output_credit_like(result, output_credit)
+            pairs = [(t, g) for t, g in zip(pytree.tree_leaves(result), flat, strict=True)
+                     if isinstance(t, Tensor) and isinstance(g, Tensor) and t.requires_grad]
+            roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        params = run.plan.params
+        if run.plain and isinstance(self.model, nn.Module):  # the model as it is now
+            params = dict(self.model.named_parameters())
+        params = {n: p for n, p in params.items() if p.requires_grad}
+        names = [*run.names, _RESULT] if node_credit else [_RESULT]
+        try:
+            nodes_got, params_got = routed(names, (*nodes, result) if node_credit else (result,), roots, grads, params)
+        except RuntimeError as err:
+            if "second time" not in str(err):
+                raise
+            raise FxnxValueError(
+                "this forward was already routed: call router(x) again before each "
+                "router.backward (once per forward)"
+            ) from err
+        at_result = nodes_got.pop(_RESULT)
+        if loss is not None and at_result is None:
+            raise FxnxValueError(
+                "loss does not depend on the output the last router(...) call returned: compute "
+                "it from that output (not from model(x), nor from an earlier call's output)"
+            )
+        self._last.run = None
+        self._last.why = "router.backward was already called on the last forward"
+        with torch.no_grad():
+            for name, g in params_got.items():
+                p = params[name]
+                if p.grad is None:
+                    p.grad = torch.empty_like(p).copy_(g)
+                else:
+                    p.grad += g
+        if node_credit:
+            flat = pytree.tree_leaves(at_result) if at_result is not None else [None] * len(pytree.tree_leaves(result))
+            nodes_got[run.plan.entries[-1].call.name] = graph_credit(result, output, flat)
+        used = rules_used(run.plan, nodes_got)
+        return CreditResult(
+            node_credit=nodes_got, param_credit=params_got, rules=used, rule=self.preset.name,
+            feedback=own(self.feedback), output=_detached(result),
+        )
+
+    def alignment(self) -> dict[str, dict[str, float]]:
+        """How close each weight-transport node's feedback weights are to its weights.
+
+        For every node whose rule sends credit back through ``B`` in place of ``W``
+        (feedback alignment, sign symmetry, Kolen–Pollack, weight mirrors), the angle
+        between ``B`` and ``W`` in degrees (all of the node's weights as one vector) and
+        the ratio of their norms ``‖B‖ / ‖W‖``: the two measures BioTorch records.
+        Cheap (no forward pass); empty before the first call.
+        """
+        out = {}
+        for entry in self._plan.entries if self._plan else []:
+            rule = entry.rule
+            B = rule.feedback_now(entry.call) if isinstance(rule, Transport) else None
+            if not B:
+                continue
+            W = feedback_weights(entry.call)
+            w, b = flat([W[p] for p in B]), flat(list(B.values()))
+            _, angle = cosine_angle(w, b)
+            out[entry.call.name] = {"angle": angle, "norm_ratio": float(b.norm() / w.norm())}
+        return out
+
+    def update_feedback(self, lr: float | None = None, weight_decay: float = 0.0) -> None:
+        """Let learned feedback weights learn one step (:class:`~fxnx.credit.KolenPollack`,
+        :class:`~fxnx.credit.WeightMirror`); call it once per step, after the optimizer's step (a
+        mirror then reflects the ``W`` the next forward runs with; Kolen–Pollack's step reads
+        ``W.grad``, which plain SGD's step leaves as it was).
+
+        Parameters
+        ----------
+        lr, weight_decay : float
+            The optimizer's learning rate and weight decay: Kolen–Pollack gives each
+            ``B`` the step plain SGD gives ``W`` (weight mirrors use their own rate).
+
+        Raises
+        ------
+        FxnxValueError
+            No node's rule learns its feedback (or none has run yet), or Kolen–Pollack
+            without ``lr``.
+        """
+        learners = {id(rule): rule for rule in self._bound.values() if callable(getattr(rule, "learn", None))}
+        if not learners:
+            raise FxnxValueError(
+                "update_feedback: no node of this router has feedback that learns (rules "
+                "'kolen_pollack' and 'weight_mirror' do), or none has run yet: call router(x) first"
+            )
+        for rule in learners.values():
+            rule.learn(lr, weight_decay)
+
+    def grafted(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, collect: bool) -> tuple[Graft, list[Any]]:
+        """The router's forward for these inputs (capture and graft reused or made) and the
+        values to call it with.
+
+        The last capture is reused at once while a cheap guard holds: the inputs' structure,
+        which parameters are trainable, and the fingerprint of every module the capture
+        traced through (every attribute by value; modules the graph calls run their own code
+        live). Otherwise the model's whole structure is keyed again
+        (:func:`~fxnx._capture.reuse.recapture`), capturing again where it changed.
+        """
+        fast = self._fast.get(collect)
+        if fast is not None:
+            guard, run, cap = fast
+            if guard == self._guard(cap, inputs, kwargs, plain=run.plain):
+                if run.plain:
+                    return run, []
+                if not collect and not kwargs and self._positional:
+                    return run, list(inputs)
+                return run, placeholders_for(cap, self.model, inputs, kwargs, copy=collect)
+        cap = recapture(self.G, self.model, inputs, kwargs, **self._capture)
+        if cap.varies:
+            raise FxnxValueError(
+                f"credit cannot be routed over {qualname(self.model)}: {cap.varies}. Credit "
+                "over one such graph would be credit for another forward than the one that "
+                "runs. Call model.eval() (layer drop and stochastic depth are off in eval "
+                "mode), or make the choice with tensor operations (as torchvision's "
+                "StochasticDepth does), and convert it again"
+            )
+        key = (id(cap.gm), collect)
+        run = self._grafts.get(key)
+        if run is None:
+            plan = self._plans.get(id(cap.gm))
+            if plan is None:
+                plan = compile_plan(self.G, cap.gm, self.model, self._choose)
+                self._plans = {id(cap.gm): plan}  # the capture changed: the old plan is stale
+                self._grafts = {}
+                self._warn_if_unused(plan)
+            seen = self._probe(plan, cap, inputs, kwargs)
+            run = graft(plan, seed=self.seed, collect=collect, probe=seen)
+            run.expect = seen  # its first run is checked against the captured graph's output
+            self._grafts[key] = run
+        self._plan = run.plan
+        self._fixed = {}  # bound afresh for this capture
+        if isinstance(self.model, nn.Module):
+            cap_ = dataclasses.replace(cap, model=None, inputs=None)
+            self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
+            self._fast[collect] = (self._guard(cap_, inputs, kwargs, plain=run.plain), run, cap_)
+            if not collect:
+                # Inputs of this structure bind to the placeholders one by one, in order (the
+                # guard keeps the structure): later calls pass them on without binding them.
+                bound = placeholders_for(cap_, self.model, inputs, kwargs, copy=False)
+                self._positional = (
+                    not kwargs and bound is not None and len(bound) == len(inputs)
+                    and all(a is b for a, b in zip(bound, inputs, strict=True))
+                )
+        return run, cap.inputs or []
+
+    def _probe(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Probe:
+        """One run of the captured graph without gradients (:func:`.faithful.probe`: what it
+        writes where, and its output), checked against ``model(...)`` once per capture.
+
+        Nothing changes: buffers and the random state are restored after each run, and both
+        run on copies of the inputs, so the run that follows draws the same random numbers.
+        """
+        model = self.model
+        values = placeholders_for(cap, model, inputs, kwargs, copy=True)
+        with torch.no_grad(), preserved(model), TRACING_LOCK:
+            seen = probe(plan.gm, values or [])
+        checked = kept_on(self.G, _CHECKED)
+        if checked.get(id(cap.gm)) is not None and checked[id(cap.gm)]() is cap.gm:
+            return seen
+        concrete = dict(self._capture["concrete_args"] or {})
+        bound = bind_inputs(model, inputs, kwargs, concrete)
+        if bound is None:
+            return seen
+        try:
+            with torch.no_grad(), preserved(model), TRACING_LOCK:
+                eager = model(*bound.args, **bound.kwargs, **concrete)
+        except Exception:  # the graph runs where the model does not: nothing to compare
+            return seen
+        problem = differs(seen.output, eager)
+        if problem is not None:
+            raise FxnxValueError(
+                f"the graph captured from {qualname(model)} does not compute what the model "
+                f"computes on these inputs ({problem}), so credit over it would be credit for "
+                "another forward. The model's forward is not one graph: it changes from call "
+                "to call (a random choice in Python, such as skipping layers at random in "
+                "training mode), or the model changes itself as it runs. Call model.eval() "
+                "(layer drop and stochastic depth are off in eval mode), or call the model "
+                "once before converting it (a warm-up call), and convert it again"
+            )
+        for key in [k for k, ref in checked.items() if ref() is None]:
+            del checked[key]  # captures since dropped
+        checked[id(cap.gm)] = weakref.ref(cap.gm)
+        return seen
+
+    def _guard(self, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
+               *, plain: bool = False) -> Any:
+        """What must stay the same for the last capture to be reused. A ``plain`` run is the
+        model's own forward under autograd: an attribute's value cannot make it differ from
+        autograd, so only what the modules register is compared (a module added, replaced
+        or hooked still makes ``G`` another model's), not every value they hold."""
+        watched = self._watched.get(id(cap.gm))
+        if watched is None:
+            return object()  # never equal: key the whole structure again
+        params = [p.requires_grad for p in self._plan.params.values()] if self._plan else []
+        modules = structure(watched) if plain else fingerprint(watched)
+        return (inputs_key(inputs, kwargs, shapes=cap.shape_specialised), params, modules)
+
+    def _choose(self, call: NodeCall) -> tuple[Any, str]:
+        """The rule bound to ``call``'s node: the user's by name, by kind, the preset's, exact."""
+        template = self._by_name.get(call.name) or lookup(call, self._by_kind)
+        if template is None:
+            template = self.preset.lookup(call) or _EXACT
+        key = (call.name, id(template), id(call.module))
+        bound = self._bound.get(key)
+        if bound is None:
+            given = self._given.get(call.name)
+            if isinstance(template, Rule):
+                bound = template.bind(call, self.seed, given)
+            elif given is not None:
+                raise FxnxValueError(
+                    f"feedback was given for node {call.name!r}, but its rule "
+                    f"{rule_name(template)!r} is a function, which takes no feedback weights"
+                )
+            else:
+                bound = template
+            self._bound[key] = bound
+        return bound, rule_name(bound)
+
+    def _warn_if_unused(self, plan: Plan) -> None:
+        if not self.preset or self._by_name or self._by_kind:
+            return
+        if all(isinstance(rule, Exact) for rule in plan.rules.values()):
+            warnings.warn(
+                f"rule {self.preset.name!r} applies to no node of this model; every node is "
+                "routed exactly",
+                stacklevel=5,
+            )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise FxnxTypeError(
+            "a CreditRouter cannot be pickled or copied (it holds its capture and this "
+            "thread's last forward): save the model's state_dict and router.feedback, and build "
+            "a new router with CreditRouter(G, model, rule, feedback=...)"
+        )
+
+
+def own(feedback: dict[str, Any]) -> dict[str, Any]:
+    """Copies of the feedback weights (learned ones change in place as training goes)."""
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, feedback)
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__qualname__
+        raise FxnxValueError(
+            f"loss must be a scalar tensor, got {what}; for credit of another shape, pass "
+            "router.backward(output_credit=...)"
+        )
+    if not loss.requires_grad:
+        raise FxnxValueError(
+            "loss does not depend on the output the last router(...) call returned: compute it "
+            "from that output (not from model(x), nor from an earlier call's output)"
+        )
+
+
+def routed(
+    names: list[str], nodes: Any, roots: list[Tensor], grads: list[Tensor] | None, params: dict[str, Tensor],
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Autograd's backward from ``roots``: the credit at each value of ``nodes`` (named by
+    ``names``; the values a collecting forward returned, or None) and at each parameter.
+    Nothing is accumulated."""
+    wrt: list[Tensor] = list(params.values())
+    places: list[tuple[str, Any, Any]] = []  # (name, structure or None for a tensor, index)
+    for name, value in zip(names, nodes or (), strict=False):
+        if isinstance(value, Tensor):  # most nodes: no structure to take apart
+            places.append((name, None, len(wrt) if value.requires_grad else None))
+            if value.requires_grad:
+                wrt.append(value)
+            continue
+        leaves, tree = pytree.tree_flatten(value)
+        index: list[int | None] = []
+        for t in leaves:
+            if isinstance(t, Tensor) and t.requires_grad:
+                index.append(len(wrt))
+                wrt.append(t)
+            else:
+                index.append(None)
+        places.append((name, tree, index))
+    if not wrt or not roots:
+        return {name: None for name, *_ in places}, {}
+    got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+    param_credit = {n: g for n, g in zip(params, got, strict=False) if g is not None}
+    node_credit: dict[str, Any] = {}
+    for name, tree, index in places:
+        if tree is None:
+            node_credit[name] = None if index is None else got[index]
+            continue
+        parts = [None if i is None else got[i] for i in index]
+        node_credit[name] = None if all(p is None for p in parts) else pytree.tree_unflatten(parts, tree)
+    return node_credit, param_credit
+
+
+def rules_used(plan: Plan, node_credit: Mapping[str, Any] | None) -> dict[str, str]:
+    """The rule of each computing node (that received credit, where that is known)."""
+    return {
+        e.call.name: e.rule_name for e in plan.entries
+        if (e.rule is not None or e.call.op == "output")
+        and (not node_credit or node_credit.get(e.call.name) is not None)
+    }
+
+
+def graph_credit(result: Any, output: Any, flat: list[Any]) -> Any:
+    """Credit for each leaf of ``result`` (``tree_flatten`` order) in the structure of
+    ``output``, what the graph's output node took (a flat tuple for ``torch.export``
+    graphs, whose codegen rebuilds the model's structure from the same tensors)."""
+    leaves, spec = pytree.tree_flatten(result)
+    if result is output:
+        return pytree.tree_unflatten(list(flat), spec)
+    where = {id(t): k for k, t in enumerate(leaves) if isinstance(t, Tensor)}
+    out_leaves, out_spec = pytree.tree_flatten(output)
+    return pytree.tree_unflatten(
+        [flat[where[id(t)]] if isinstance(t, Tensor) and id(t) in where else None for t in out_leaves],
+        out_spec,
+    )
+
+
+def _detached(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+def run_checked(run: Graft, model: Any, values: list[Any]) -> tuple[Any, Any, Any]:
+    """``run(values)``; where it fails, the node that fails is found (by a run without
+    gradients, which changes nothing) and named in the error."""
+    try:
+        return run(values)
+    except FxnxError:
+        raise
+    except Exception as err:
+        with torch.no_grad(), preserved(model):
+            run.probe(values)  # raises the error naming the node, where a node fails
+        raise err
+
+
+def _preset(rule: Any) -> Preset:
+    if isinstance(rule, str):
+        if rule not in PRESETS:
+            raise FxnxValueError(
+                f"unknown rule {rule!r}; known rules: {', '.join(PRESETS)}"
+            )
+        return PRESETS[rule]
+    if isinstance(rule, Preset):
+        return rule
+    if isinstance(rule, Mapping):
+        return Preset("custom", rule)
+    raise FxnxTypeError(
+        f"rule must be a preset name ({', '.join(PRESETS)}), a fxnx.credit.Preset or a "
+        f"mapping of node kinds to rules, got {type(rule).__qualname__}"
+    )
+
+
+def output_credit_like(output: Any, given: Any) -> list[Any]:
+    """``given`` checked against the output's structure and shapes, as one credit per leaf of
+    ``output`` (``tree_flatten`` order); None means ones."""
+    if given is None:
+        complex_ = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor) and t.is_complex()]
+        if complex_:
+            raise FxnxValueError(
+                f"the model's output is complex ({complex_[0].dtype}), and autograd takes no "
+                "implicit credit for a complex output (output.sum() is not real): pass "
+                "output_credit= a complex tensor like the output (or route a real function "
+                "of it, such as torch.view_as_real)"
+            )
+        return [
+            torch.ones_like(t) if isinstance(t, Tensor) and t.is_floating_point() else None
+            for t in pytree.tree_leaves(output)
+        ]
+    out_flat, spec = pytree.tree_flatten(output)
+    given_flat, given_spec = pytree.tree_flatten(given)
+    if len(out_flat) != len(given_flat):
+        raise FxnxValueError(
+            f"output_credit must have the structure of the model's output ({spec}), "
+            f"got {given_spec}"
+        )
+    for i, (out, g) in enumerate(zip(out_flat, given_flat, strict=True)):
+        where = "output_credit" if len(out_flat) == 1 else f"output_credit[{i}]"
+        if g is not None and not isinstance(g, Tensor):
+            want = (
+                f"a tensor of shape {tuple(out.shape)} like the output, or None for no credit"
+                if isinstance(out, Tensor) else "None (that output is not a tensor)"
+            )
+            raise FxnxTypeError(
+                f"{where} must be {want}, got {type(g).__qualname__} {g!r:.60}; for a constant, "
+                "pass torch.full_like(output, value)"
+            )
+        if isinstance(g, Tensor) and not isinstance(out, Tensor):
+            raise FxnxTypeError(f"{where} is a tensor, but that output is {type(out).__qualname__}")
+        if not (isinstance(out, Tensor) and isinstance(g, Tensor)):
+            continue
+        if g.shape != out.shape:
+            raise FxnxValueError(
+                f"{where} has shape {tuple(g.shape)}, the output {tuple(out.shape)}"
+            )
+        if g.is_complex() != out.is_complex() or not (g.is_floating_point() or g.is_complex()):
+            raise FxnxTypeError(
+                f"{where} has dtype {g.dtype}, the output {out.dtype}: credit must be "
+                "complex for a complex output and real floating point for a real one"
+            )
+        if g.device != out.device:
+            raise FxnxValueError(
+                f"{where} is on {g.device}, the output on {out.device}: move it with "
+                f"output_credit.to({str(out.device)!r})"
+            )
+    return [g.to(out.dtype) if isinstance(g, Tensor) else g for out, g in zip(out_flat, given_flat, strict=True)]

@@ -1,0 +1,570 @@
+"""Credit rules: how one node sends the credit at its output back to its inputs.
+
+A rule is an object (a :class:`Rule`) or a plain function, called as::
+
+    rule(call: NodeCall, credit, state: RoutingState) -> tuple[list, dict]
+
+It returns the credit for each input occurrence of the node (``call.inputs``)
+and for each parameter the node owns (``call.params``). A rule object is
+*bound* to each node it routes through: :meth:`Rule.bind` returns the node's
+own copy, which keeps whatever that node needs across steps (the fixed random
+feedback weights of :class:`FeedbackAlignment`, for instance).
+
+The rules:
+
+- :class:`Exact`: the node's vector-Jacobian product, what backpropagation sends.
+- :class:`FeedbackAlignment` (Lillicrap et al., 2016, *Nat. Commun.* 7:13276): a
+  fixed random ``B`` carries credit back to the input in place of ``W``.
+- :class:`SignSymmetry` (Liao, Leibo & Poggio, 2016, AAAI; the variants as
+  BioTorch names them, Sanfiz & Akrout, 2021): ``sign(W) ∘ M`` in place of ``W``,
+  with ``M`` all ones (uSF), redrawn at random every step (brSF) or drawn once (frSF).
+- :class:`DirectFeedbackAlignment` (Nøkland, 2016, NeurIPS): a fixed random
+  projection of the credit at the *model's output* goes to the node's input.
+
+Feedback weights are drawn as BioTorch draws them (:mod:`fxnx._credit.feedback`);
+feedback that learns (Kolen–Pollack, weight mirrors) is in :mod:`fxnx._credit.learned`.
+
+Under every one of them a layer's own parameters get their exact credit given
+the credit that reached the layer's output.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from .._compat import pytree
+from .._errors import FxnxTypeError, FxnxValueError
+from . import feedback as fb
+from .nodecall import Credit, NodeCall
+from .spatial import conv_geometry
+from .transport import exact_parameters, feedback_weights, has_weights, transported
+
+__all__ = [
+    "DirectFeedbackAlignment",
+    "Exact",
+    "FeedbackAlignment",
+    "Routed",
+    "RoutingState",
+    "Rule",
+    "SignSymmetry",
+    "Transport",
+]
+
+#: What a rule returns: credit per input occurrence, and per qualified parameter name.
+Routed = tuple[list[Credit], dict[str, Tensor]]
+
+
+@dataclass
+class RoutingState:
+    """What every rule may read during one backward pass.
+
+    Attributes
+    ----------
+    seed : int
+        The run's seed (rules without a seed of their own draw from it).
+    output_credit : Any
+        The credit at the model's output, in the output's structure.
+    """
+
+    seed: int = 0
+    output_credit: Any = None
+
+
+class Rule:
+    """Base class of rule objects. Subclasses set :attr:`name` and implement ``__call__``.
+
+    Attributes
+    ----------
+    feedback : Any
+        What the rule holds fixed at its node (feedback weights), or None;
+        collected in :attr:`CreditRouter.feedback`.
+
+    Examples
+    --------
+    A rule that halves the exact credit it sends on:
+
+    >>> class Halve(Rule):
+    ...     name = "halve"
+    ...     def __call__(self, call, credit, state):
+    ...         inputs, params = call.exact(credit)
+    ...         return [None if c is None else c / 2 for c in inputs], params
+    """
+
+    name: ClassVar[str] = "rule"
+    feedback: Any = None
+    #: Whether the rule changes from one routing run to the next (brSF redraws its
+    #: magnitudes): ``route_credit`` then builds its plan afresh on every call.
+    stateful: ClassVar[bool] = False
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        """This rule for one node (``call`` has no values yet), once, when a plan is compiled.
+
+        ``feedback`` is the user's feedback for the node (``route_credit(..., feedback=)``),
+        or None. The default returns the rule itself and refuses feedback.
+        """
+        if feedback is not None:
+            raise FxnxValueError(
+                f"feedback was given for node {call.name!r}, but its rule {self.name!r} "
+                "takes no feedback weights"
+            )
+        return self
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Exact(Rule):
+    """The node's exact vector-Jacobian product: what backpropagation sends."""
+
+    name = "exact"
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        return call.exact(credit)
+
+
+class _Drawn(Rule):
+    """A rule that draws random feedback weights (see :mod:`fxnx._credit.feedback`): from its
+    own seed or the run's, from law ``init``, none larger than ``max_bytes``."""
+
+    laws: ClassVar[tuple[str, ...]] = fb.LAWS
+
+    def __init__(
+        self, seed: int | None = None, *, init: str = "xavier", max_bytes: float | None = fb.MAX_BYTES
+    ) -> None:
+        self.seed = fb.check_seed(seed, type(self).__name__, optional=True)
+        self.init = fb.check_law(init, self.laws)
+        self.max_bytes = max_bytes
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed!r}, init={self.init!r})"
+
+    def _draw(self, call: NodeCall, seed: int, key: str, shape: Any, like: Tensor) -> Tensor:
+        return fb.draw(
+            self.init, shape, seed=seed, key=key, like=like, max_bytes=self.max_bytes,
+            where=f"{self.name} at node {call.name!r}",
+        )
+
+
+class Transport(Rule):
+    """Weight transport: the layer sends credit back as if each weight ``W`` were ``B``.
+
+    Subclasses implement :meth:`feedback_for`; the input's credit is then that of
+    the layer computed with ``B`` in place of ``W``, and the layer's own
+    parameters get their exact credit. On linear layers and convolutions the
+    router does this inside autograd's own backward (the tensors the layer saves
+    from ``W`` are swapped for the same views of ``B``), elsewhere by calling the
+    rule with the node's recorded call.
+    """
+
+    def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
+        """``B`` for each weight of ``call``'s layer (as :func:`feedback_weights` names them),
+        for one backward pass."""
+        raise NotImplementedError
+
+    def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
+        """The ``B`` the node's latest step used, drawing nothing (empty before any)."""
+        return self.feedback_for(call)
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        return transported(call, credit, self.feedback_for(call))
+
+
+def _key(call: NodeCall, pname: str) -> str:
+    return call.name if pname == "weight" else f"{call.name}.{pname}"
+
+
+def _public(weights: dict[str, Tensor]) -> Tensor | dict[str, Tensor]:
+    """One tensor for a layer with one weight, else parameter name to tensor."""
+    return next(iter(weights.values())) if len(weights) == 1 else weights
+
+
+def _given(call: NodeCall, weights: dict[str, Tensor], feedback: Any) -> dict[str, Tensor]:
+    """The user's feedback for ``call`` as parameter name to tensor, shapes checked."""
+    if isinstance(feedback, Tensor) and len(weights) == 1:
+        feedback = dict.fromkeys(weights, feedback)
+    if not isinstance(feedback, (Tensor, Mapping)):
+        raise FxnxTypeError(
+            f"feedback for node {call.name!r} must be a tensor shaped like its weight, or a "
+            f"dict of parameter name to tensor, got {type(feedback).__qualname__}"
+        )
+    given = {"weight": feedback} if isinstance(feedback, Tensor) else dict(feedback)
+    if set(given) != set(weights):
+        raise FxnxValueError(
+            f"feedback for node {call.name!r} must give {sorted(weights)}, got {sorted(given)}"
+        )
+    for pname, B in given.items():
+        if not isinstance(B, Tensor):
+            raise FxnxTypeError(
+                f"feedback weight for node {call.name!r} ({pname}) must be a tensor, got "
+                f"{type(B).__qualname__}"
+            )
+        if B.shape != weights[pname].shape:
+            got = tuple(B.shape)
+            raise FxnxValueError(
+                f"feedback weight for node {call.name!r} ({pname}) has shape {got}, but its "
+                f"weight has shape {tuple(weights[pname].shape)}"
+            )
+    return {pname: B.detach() for pname, B in given.items()}
+
+
+class FeedbackAlignment(_Drawn, Transport):
+    """Feedback alignment (Lillicrap et al., 2016): a fixed random ``B`` in place of ``W``.
+
+    The credit sent to the layer's input is that of the layer with ``B`` as its
+    weight (``credit @ B`` for ``nn.Linear``; the transposed convolution with
+    ``B`` for convolutions; inside ``nn.MultiheadAttention``, ``B`` replaces each
+    of its projection weights while the attention itself is differentiated
+    exactly). The layer's own parameters get their exact credit.
+
+    Layers written as functions (``F.linear(x, self.emb.weight)``, ``x @ self.W``,
+    the ``aten.linear``/``aten.conv2d``/``aten.addmm`` nodes of an exported graph)
+    and modules without a transport of their own (transformers' ``Conv1D``) are
+    recomputed with ``B`` in place of each trainable parameter of two or more
+    dimensions among their arguments (their module's parameters), and the input
+    credit is that recomputation's VJP; a function node with no such parameter
+    (``q @ k.transpose(-2, -1)``) is routed exactly. :attr:`feedback` is one
+    tensor for a node with one weight, else parameter name to tensor.
+
+    Parameters
+    ----------
+    seed : int, optional
+        Seeds ``B``, per node. None: the seed of the router or ``route_credit`` call.
+    init : {"xavier", "kaiming"}
+        The law ``B`` is drawn from (:mod:`fxnx._credit.feedback`); ``"xavier"``
+        by default, as in BioTorch.
+    max_bytes : int, optional
+        Refuse any feedback weight larger than this (1 GiB), before making it.
+    """
+
+    name = "feedback_alignment"
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        if _weightless(call):
+            return Exact().bind(call, seed, feedback)
+        weights = feedback_weights(call)
+        seed = seed if self.seed is None else self.seed
+        bound = copy.copy(self)
+        bound._weights = (
+            _given(call, weights, feedback) if feedback is not None
+            else {p: self._draw(call, seed, _key(call, p), W.shape, W) for p, W in weights.items()}
+        )
+        bound.feedback = _public(bound._weights)
+        return bound
+
+    def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
+        return self._weights
+
+    def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
+        return self._weights  # not feedback_for, which learned feedback overrides to warn
+
+
+_VARIANTS = {"uniform": "usf", "batch_random": "brsf", "fixed_random": "frsf"}
+
+
+class SignSymmetry(_Drawn, Transport):
+    """Sign symmetry (Liao et al., 2016): ``sign(W) ∘ M`` in place of ``W``.
+
+    As BioTorch defines the variants (Sanfiz & Akrout, 2021): ``M`` is the
+    standard deviation of the law ``init`` for ``W``'s shape (uSF), the absolute
+    value of a fresh draw from that law at every step (brSF), or of one draw
+    kept for good (frSF). Scaling uSF this way keeps the credit at the scale of
+    the forward weights (Xiao et al., 2018); ``init="unit"`` gives Liao et al.'s
+    literal uSF, ``M = 1``, whose credit grows with each layer's fan-in and can
+    make plain SGD diverge.
+
+    Parameters
+    ----------
+    magnitude : {"uniform", "batch_random", "fixed_random"}
+        uSF, brSF or frSF.
+    seed : int, optional
+        Seeds the draws, per node. None: the seed of the run.
+    init : {"xavier", "kaiming", "unit"}
+        The law of ``M`` (:mod:`fxnx._credit.feedback`); ``"unit"`` for uSF only.
+    max_bytes : int, optional
+        Refuse any feedback weight larger than this (1 GiB), before making it.
+
+    Notes
+    -----
+    ``sign(W)`` is read at every step, so it follows the weights as they learn.
+    :attr:`feedback` holds ``M``: the fixed one (frSF) or the latest draw (brSF).
+    Feedback given to brSF (``route_credit(..., feedback=router.feedback)``) is
+    used for the first step routed, so one step can be routed again as it was.
+    """
+
+    laws = (*fb.LAWS, "unit")
+
+    def __init__(
+        self, magnitude: Literal["uniform", "batch_random", "fixed_random"] = "uniform",
+        seed: int | None = None, *, init: str = "xavier", max_bytes: float | None = fb.MAX_BYTES,
+    ) -> None:
+        if magnitude not in _VARIANTS:
+            raise FxnxValueError(
+                f"magnitude must be one of {', '.join(map(repr, _VARIANTS))}, got {magnitude!r}"
+            )
+        if init == "unit" and magnitude != "uniform":
+            raise FxnxValueError(f"init='unit' is uSF's literal form; {_VARIANTS[magnitude]} draws from 'xavier' or 'kaiming'")
+        super().__init__(seed, init=init, max_bytes=max_bytes)
+        self.magnitude = magnitude
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return _VARIANTS[self.magnitude]
+
+    @property
+    def stateful(self) -> bool:  # type: ignore[override]
+        return self.magnitude == "batch_random"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.magnitude!r}, seed={self.seed!r}, init={self.init!r})"
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        if _weightless(call):
+            return Exact().bind(call, seed, feedback)
+        weights = feedback_weights(call)
+        bound = copy.copy(self)
+        bound._seed = seed if self.seed is None else self.seed
+        bound._draws = 0
+        bound._pending = None
+        bound._magnitudes = None  # M per weight: a number (uSF) or a tensor like W
+        if self.magnitude == "uniform":
+            if feedback is not None:
+                raise FxnxValueError(
+                    f"feedback was given for node {call.name!r}, but {self.name} uses sign(W) alone"
+                )
+            bound._magnitudes = {p: 1.0 if self.init == "unit" else fb.std(self.init, W.shape) for p, W in weights.items()}
+        elif self.magnitude == "fixed_random":
+            bound._magnitudes = (
+                _given(call, weights, feedback) if feedback is not None
+                else {p: bound._draw(call, bound._seed, _key(call, p), W.shape, W).abs_() for p, W in weights.items()}
+            )
+            bound.feedback = _public(bound._magnitudes)
+        elif feedback is not None:
+            # The magnitudes of one step (CreditRouter.feedback after it), to route that step
+            # again; later steps draw afresh.
+            bound._pending = _given(call, weights, feedback)
+        return bound
+
+    def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
+        magnitudes = self.magnitudes(call)
+        return {p: W.detach().sign().mul_(magnitudes[p]) for p, W in feedback_weights(call).items()}
+
+    def magnitudes(self, call: NodeCall) -> dict[str, Tensor | float]:
+        """``M`` for each weight, for one backward pass: brSF draws afresh at each call.
+
+        The router makes ``sign(W)·M`` from them only in the backward pass, as each layer's
+        backward needs it (so no ``B`` is kept from the forward pass to the backward pass).
+        """
+        if self.magnitude == "batch_random":
+            self._draws += 1
+            self._magnitudes = self._pending or {
+                p: self._draw(call, self._seed, f"{_key(call, p)}@{self._draws}", W.shape, W).abs_()
+                for p, W in feedback_weights(call).items()
+            }
+            self._pending = None
+            self.feedback = _public(self._magnitudes)
+        return self._magnitudes
+
+    def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
+        if self._magnitudes is None:  # brSF before its first draw
+            return {}
+        return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in feedback_weights(call).items()}
+
+
+class DirectFeedbackAlignment(_Drawn):
+    """Direct feedback alignment (Nøkland, 2016): the node's input gets ``e`` through ``B``.
+
+    ``e`` is the credit at the model's output, flattened per sample to shape
+    ``(N, D)`` (several output tensors are concatenated), and ``B`` a fixed
+    random projection for each input ``x`` of the node:
+
+    - for a convolution's input (``nn.Conv1d/2d/3d``, ``F.conv*d``, their ATen
+      forms), by default **shared over space**, as BioTorch does: ``B`` has the
+      shape ``(D, C_in, *kernel)``, and the input's credit is what a convolution
+      with weight ``B`` and the layer's stride, padding and dilation sends back
+      when ``e`` is broadcast over its whole output grid. Its size does not
+      depend on the image's; a grouped convolution's feedback is ungrouped;
+      padding is zero padding;
+    - otherwise (and with ``spatial=False``) dense: ``B`` has the shape
+      ``(D, *x.shape[1:])`` and the input's credit is
+      ``(e @ B.reshape(D, -1)).reshape(x.shape)``.
+
+    Routed over the graph, this is Nøkland's rule: the credit at a hidden
+    layer's output is what the nodes after it made of their projections (the
+    exact VJP of the activation after it, the sum at a fan-out). So besides its
+    own projection, a layer whose output feeds an identity skip also receives
+    the projections of the layers after the merge, carried back along the
+    skip (as in BioTorch); the layer's own parameters get the exact local
+    credit given it. The last layer's parameters get the output credit
+    itself, as in the paper. A function node's parameter arguments (the weight
+    and bias of an exported ``aten.linear``) get their exact credit; only its
+    other inputs get projections, and a function node with no weight of two or
+    more dimensions is routed exactly.
+
+    Parameters
+    ----------
+    seed : int, optional
+        Seeds each ``B``, per node and input, drawn on first use when the
+        output's size is known. None: the seed of the run.
+    init : {"xavier", "kaiming"}
+        The law of ``B`` (:mod:`fxnx._credit.feedback`; fans of the dense form
+        are those of the ``(D, prod(x.shape[1:]))`` matrix).
+    spatial : bool
+        Share a convolution's feedback over space (default) or use the dense form.
+    max_bytes : int, optional
+        The most the feedback weights of all of one router's nodes under this
+        rule may take together (1 GiB); the router refuses, before drawing
+        any, when they would take more.
+
+    Notes
+    -----
+    :attr:`feedback` holds ``B`` (a tuple for several inputs).
+    """
+
+    name = "direct_feedback_alignment"
+
+    def __init__(
+        self, seed: int | None = None, *, init: str = "xavier", spatial: bool = True,
+        max_bytes: float | None = fb.MAX_BYTES,
+    ) -> None:
+        super().__init__(seed, init=init, max_bytes=max_bytes)
+        self.spatial = spatial
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed!r}, init={self.init!r}, spatial={self.spatial!r})"
+
+    def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        if _weightless(call):
+            return Exact().bind(call, seed, feedback)
+        bound = copy.copy(self)
+        bound._seed = seed if self.seed is None else self.seed
+        given = feedback if isinstance(feedback, (tuple, list)) else [feedback]
+        bound._B = list(given) if feedback is not None else []
+        bound.feedback = feedback
+        bound._geometry = conv_geometry(call) if self.spatial else None
+        return bound
+
+    def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
+        inputs, params = exact_parameters(call, credit)
+        e = _flat_output_credit(state.output_credit)
+        if e is None:
+            return inputs, params
+        for i, x in enumerate(call.inputs):
+            if not call.wants(i) or i in call.param_inputs:
+                continue
+            if x.dim() == 0 or x.shape[0] != e.shape[0]:
+                raise FxnxValueError(
+                    f"direct feedback alignment at node {call.name!r}: its input {i} has shape "
+                    f"{tuple(x.shape)}, whose first dimension is not the output's batch size "
+                    f"{e.shape[0]}; route this node another way, e.g. "
+                    f"rules={{{call.name!r}: Exact()}}"
+                )
+            inputs[i] = self.sent(call, i, e, x.shape, x.dtype)
+        return inputs, params
+
+    def _spatial(self, i: int) -> bool:
+        """Whether input ``i`` gets feedback shared over space (a convolution's data input)."""
+        return i == 0 and self._geometry is not None
+
+    def drawn(self, i: int) -> bool:
+        """Whether input ``i``'s ``B`` exists (given, or drawn on an earlier step)."""
+        return i < len(self._B) and self._B[i] is not None
+
+    def feedback_shape(self, i: int, d: int, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of ``B`` for input ``i`` of shape ``shape``, with ``d`` output features."""
+        if self._spatial(i):
+            return (d, shape[1], *self._geometry.kernel)
+        return (d, *shape[1:])
+
+    def sent(self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """The credit input ``i`` (of ``shape``) gets for output credit ``e`` of shape ``(N, D)``."""
+        return self.sender(call, i, e, shape, dtype)(e)
+
+    def sender(
+        self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype
+    ) -> Callable[[Tensor], Tensor]:
+        """What :meth:`sent` computes, as a function of ``e`` alone: valid for every output
+        credit of ``e``'s dtype and width, and inputs of ``shape`` and ``dtype`` (``B``,
+        drawn here on first use, never changes)."""
+        B = self.projection(call, i, e, shape, dtype)
+        if self._spatial(i):
+            geometry = self._geometry
+            return lambda e: geometry.credit(e.to(B.dtype), B, shape).to(dtype)
+        matrix = B.reshape(e.shape[1], -1)
+        if B.dtype == e.dtype == dtype:
+            return lambda e: (e @ matrix).reshape(shape)
+        return lambda e: (e.to(B.dtype) @ matrix).reshape(shape).to(dtype)
+
+    def projection(self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """``B`` for input ``i`` of ``call``'s node (see :meth:`feedback_shape`), for output
+        credit ``e`` of shape ``(N, D)``: drawn on first use, then the same every step."""
+        want = self.feedback_shape(i, e.shape[1], shape)
+        while len(self._B) <= i:
+            self._B.append(None)
+        B = self._B[i]
+        if B is None:
+            like = torch.empty((), dtype=dtype, device=e.device)
+            # the dense form's law sees the (D, input size) matrix it is
+            drawn = want if self._spatial(i) else (want[0], math.prod(want[1:]))
+            B = self._draw(call, self._seed, f"{call.name}.dfa{i}", drawn, like).reshape(want)
+            self._B[i] = B
+            self.feedback = B if len(self._B) == 1 else tuple(self._B)
+        elif tuple(B.shape) != want:
+            layout = (
+                "output features, input channels, then the kernel's size: feedback shared over space; "
+                "DirectFeedbackAlignment(spatial=False) takes the dense form"
+                if self._spatial(i)
+                else "output features, then the input's shape without its batch dimension"
+            )
+            raise FxnxValueError(
+                f"direct feedback alignment at node {call.name!r}: feedback for input {i} has "
+                f"shape {tuple(B.shape)}, expected {want} ({layout})"
+            )
+        return B
+
+
+def _weightless(call: NodeCall) -> bool:
+    """A function node with no weight (``x @ y`` of two activations, as in attention): a
+    feedback rule's preset matches its kind, but it is routed exactly."""
+    return call.module is None and not has_weights(call)
+
+
+def _flat_output_credit(output_credit: Any) -> Tensor | None:
+    """The output credit as one ``(N, D)`` matrix, output tensors side by side."""
+    parts = [t for t in pytree.tree_flatten(output_credit)[0] if isinstance(t, Tensor)]
+    if not parts:
+        return None
+    if any(t.dim() == 0 or t.shape[0] != parts[0].shape[0] for t in parts):
+        raise FxnxValueError(
+            "direct feedback alignment needs every output tensor to share a leading batch "
+            f"dimension; the output credit has shapes {[tuple(t.shape) for t in parts]}"
+        )
+    return torch.cat([t.reshape(t.shape[0], -1) for t in parts], 1)
+
+
+RuleLike = Rule | Callable[[NodeCall, Credit, RoutingState], Routed]
+
+
+def rule_name(rule: Any) -> str:
+    """The name a rule is reported by."""
+    return str(getattr(rule, "name", None) or getattr(rule, "__name__", None) or repr(rule))
+
+
+def check_rule(rule: Any, where: str) -> None:
+    """Refuse what cannot be a rule, naming where it was given."""
+    if not callable(rule):
+        raise FxnxTypeError(
+            f"{where} must be a rule object (fxnx.credit.Exact(), fxnx.credit.FeedbackAlignment(), …) or a "
+            f"function rule(call, credit, state), got {type(rule).__qualname__} {rule!r:.60}"
+        )
+    if isinstance(rule, type):
+        raise FxnxTypeError(f"{where} is the class {rule.__qualname__}; pass an instance: {rule.__qualname__}()")
