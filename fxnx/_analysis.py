@@ -163,7 +163,8 @@ def node_depths(G: nx.MultiDiGraph) -> dict[str, int]:
 
 
 def census(G: nx.MultiDiGraph, by: str = "op") -> dict[Any, int]:
-    """How many nodes have each value of the node attribute ``by``, most common first.
+    """How many nodes have each value of the node attribute ``by``, most common first;
+    ``by="kind"`` counts each node's kind (:func:`node_kind`: ``Conv2d``, ``add``, ``input``).
 
     Examples
     --------
@@ -173,7 +174,8 @@ def census(G: nx.MultiDiGraph, by: str = "op") -> dict[Any, int]:
     >>> census(G)
     {'call_module': 2, 'output': 1}
     """
-    counts = Counter(data.get(by) for _, data in G.nodes(data=True))
+    value = node_kind if by == "kind" else lambda data: data.get(by)
+    counts = Counter(value(data) for _, data in G.nodes(data=True))
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0]))))
 
 
@@ -413,23 +415,15 @@ def _learned(G: nx.MultiDiGraph, flow: nx.DiGraph, branch: tuple[str, ...]) -> b
 
 def _carries(G: nx.MultiDiGraph, branch: tuple[str, ...]) -> bool:
     """Whether ``branch`` carries the fork's value unchanged (empty, or views and casts only)."""
-    return all(_CARRIES.fullmatch(_op_name(G.nodes[n])) for n in branch)
+    return all(_CARRIES.fullmatch(node_kind(G.nodes[n])) for n in branch)
 
 
 def _projection(G: nx.MultiDiGraph, branch: tuple[str, ...]) -> bool:
     """Whether ``branch`` only projects: at least one layer, and nothing but layers, norms, views."""
-    names = [_op_name(G.nodes[n]) for n in branch]
+    names = [node_kind(G.nodes[n]) for n in branch]
     return any(_PROJECTION_LAYERS.fullmatch(n) for n in names) and all(
         _PROJECTION_LAYERS.fullmatch(n) or _PROJECTION_EXTRAS.fullmatch(n) or _CARRIES.fullmatch(n)
         for n in names)
-
-
-def _op_name(data: dict[str, Any]) -> str:
-    """The operator's own name: ``Conv2d``, ``conv2d``, ``convolution`` (ATen), ``getitem``."""
-    if data.get("op") == "call_module":
-        return str(data.get("module_type")).rsplit(".", 1)[-1]
-    parts = str(data.get("target")).split(".")
-    return parts[-2] if len(parts) > 2 and parts[-3] == "aten" else parts[-1]
 
 
 def _between(flow: nx.DiGraph, fork: Any, node: Any, order: dict[Any, int]) -> tuple[Any, ...]:
@@ -590,6 +584,29 @@ def _peak(profile: Any, G: nx.MultiDiGraph) -> dict[str, Any] | None:
     if not p.peak_bytes:  # no shapes: nothing to count
         return None
     return {"bytes": p.peak_bytes, "node": p.peak_node, "saved_bytes": p.saved_bytes}
+
+
+def node_kind(data: dict[str, Any]) -> str:
+    """A node's kind in a word, the one spelling fxnx uses (census, drawings, plots, skip
+    kinds): the module's class (``Conv2d``), the function's or method's own name (``add``;
+    ``conv2d`` for ATen's ``torch.ops.aten.conv2d.default``), or the role of a node that calls
+    nothing (``input``, ``parameter``, ``output``).
+
+    Examples
+    --------
+    >>> node_kind({"op": "call_module", "module_type": "torch.nn.modules.conv.Conv2d"})
+    'Conv2d'
+    >>> node_kind({"op": "call_function", "target": "torch.ops.aten.add.Tensor"})
+    'add'
+    >>> node_kind({"op": "placeholder"})
+    'input'
+    """
+    op = data.get("op")
+    if op in ("call_module", "module"):
+        return str(data.get("module_type") or "module").rsplit(".", 1)[-1]
+    if op in ("call_function", "call_method"):
+        return short_name(str(data.get("target")))
+    return {"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(op, str(op or ""))
 
 
 def short_name(target: str) -> str:

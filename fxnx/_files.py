@@ -28,8 +28,8 @@ import os
 import pickle
 import re
 import reprlib
+import secrets
 import stat
-import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -101,7 +101,7 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[
     target = os.fspath(path)
     try:
         # A short name of its own beside the target: as long a name as the target may have works.
-        fd, temp = tempfile.mkstemp(dir=os.path.dirname(target) or ".", prefix=".fxnx-", suffix=".tmp")
+        fd, temp = _new_beside(target)
     except OSError as err:
         raise _about(target, err) from err
     try:
@@ -109,7 +109,12 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(temp, _permissions(target))
+        try:  # a file replaced keeps its permissions; a new one has the OS's (above)
+            replaced = stat.S_IMODE(os.stat(target).st_mode)
+        except OSError:
+            replaced = None
+        if replaced is not None:
+            os.chmod(temp, replaced)
         os.replace(temp, target)
     except BaseException as err:
         with contextlib.suppress(OSError):
@@ -124,15 +129,17 @@ def _about(target: str, err: OSError) -> OSError:
     return OSError(err.errno, err.strerror, target)  # the subclass for errno: PermissionError, ...
 
 
-def _permissions(target: str) -> int:
-    """The old file's permission bits, or a new file's under the process's umask."""
-    with contextlib.suppress(OSError):
-        return stat.S_IMODE(os.stat(target).st_mode)
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
-    return 0o644
+def _new_beside(target: str) -> tuple[int, str]:
+    """A new temporary file beside ``target``, opened for writing, and its name. It is created
+    as any new file is, mode 0o666 less the process's umask, which the OS applies: a file
+    that replaces nothing needs no permissions of fxnx's choosing."""
+    folder = os.path.dirname(target) or "."
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):  # a name of its own: O_EXCL refuses one that exists, links included
+        temp = os.path.join(folder, f".fxnx-{secrets.token_hex(6)}.tmp")
+        with contextlib.suppress(FileExistsError):
+            return os.open(temp, flags, 0o666), temp
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", temp)
 
 
 def _check_writable(G: Any, path: str | os.PathLike[str], writer: str) -> None:
@@ -569,23 +576,25 @@ def _graph_from_node_link(data: Any, name: str) -> nx.MultiDiGraph:
         raise broken("it is not a directed multigraph")
     if type(data["nodes"]) is not list or type(data["edges"]) is not list:
         raise broken("'nodes' and 'edges' must be lists")
-    G = nx.MultiDiGraph()
-    G.graph = data["graph"]
+    ids: set[str] = set()
     for i, node in enumerate(data["nodes"]):
         if type(node) is not dict or type(node.get("id")) is not str:
             raise broken(f"nodes[{i}] is not an object with a str 'id'")
-        if node["id"] in G:
+        if node["id"] in ids:
             raise broken(f"node id {node['id']!r} appears twice")
-        G.add_node(node["id"])
-        G.nodes[node["id"]].update((k, v) for k, v in node.items() if k != "id")
+        ids.add(node["id"])
+    edges: set[tuple[str, str, int]] = set()
     for i, edge in enumerate(data["edges"]):
         if type(edge) is not dict or not {"source", "target", "key"} <= set(edge):
             raise broken(f"edges[{i}] is not an object with 'source', 'target' and 'key'")
         u, v, key = edge["source"], edge["target"], edge["key"]
-        if type(u) is not str or type(v) is not str or u not in G or v not in G or type(key) is not int:
+        if type(u) is not str or type(v) is not str or u not in ids or v not in ids or type(key) is not int:
             raise broken(f"edges[{i}] joins {u!r} to {v!r} (key {key!r}): not two nodes of the file")
-        if G.has_edge(u, v, key):
+        if (u, v, key) in edges:
             raise broken(f"edges[{i}] repeats edge {u!r} -> {v!r} key {key}")
-        G.add_edge(u, v, key)
-        G.edges[u, v, key].update((k, w) for k, w in edge.items() if k not in ("source", "target", "key"))
+        edges.add((u, v, key))
+    # Checked above for what networkx would merge or add without a word (a repeated node or
+    # edge, an edge to no node); the graph itself is networkx's own reading of node-link data.
+    G = nx.node_link_graph(data, directed=True, multigraph=True, edges="edges")
+    G.graph = data["graph"]
     return G

@@ -12,7 +12,7 @@ from typing import Any
 
 import networkx as nx
 
-from ._analysis import node_depths, topological_order
+from ._analysis import node_depths, node_kind, topological_order
 
 __all__ = ["plot_alignment", "plot_census", "plot_credit_by_depth"]
 
@@ -101,11 +101,8 @@ def plot_alignment(
 
 def plot_census(G: nx.MultiDiGraph, top: int = 10, ax: Any = None) -> Any:
     """Horizontal bars: how many calls of each kind (module class or function), most first."""
-    kinds = Counter(
-        str(data.get("module_type") or data.get("target")).rsplit(".", 1)[-1]
-        for _, data in G.nodes(data=True)
-        if data.get("op") in ("call_module", "call_function", "call_method")
-    )
+    kinds = Counter(node_kind(data) for _, data in G.nodes(data=True)
+                    if data.get("op") in ("call_module", "call_function", "call_method"))
     items = sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))[:top][::-1]
     ax = _axes(ax)
     ax.barh([k for k, _ in items], [v for _, v in items], color=COLORS[0])

@@ -8,6 +8,8 @@ import math
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import tracemalloc
 
 import networkx as nx
@@ -576,3 +578,21 @@ def test_atomic_write_works_for_the_longest_name_and_keeps_permissions(tmp_path)
     assert fxnx.read_pickle(path).graph["format_version"] == fxnx.contract.FORMAT_VERSION
     assert path.stat().st_mode & 0o777 == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_a_new_file_gets_the_permissions_the_os_gives_under_the_umask(tmp_path, umask):
+    # The oracle is the OS itself: a file opened for writing in the same process and folder.
+    done = subprocess.run(
+        [sys.executable, "-c", f"""
+import os, fxnx, networkx as nx
+os.umask({umask})
+open({str(tmp_path / "plain")!r}, "w").close()
+from fxnx._files import atomic_write
+with atomic_write({str(tmp_path / "g.txt")!r}, "w") as f:
+    f.write("x")
+"""], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plain = (tmp_path / "plain").stat().st_mode & 0o777
+    assert plain == 0o666 & ~umask
+    assert (tmp_path / "g.txt").stat().st_mode & 0o777 == plain

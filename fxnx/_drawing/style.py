@@ -20,7 +20,7 @@ from typing import Any
 
 import networkx as nx
 
-from .._analysis import short_name
+from .._analysis import node_kind
 from .._errors import FxnxValueError
 from .view import LISTED
 
@@ -130,16 +130,9 @@ def _id_text(name: Any) -> str:
 
 
 def kind(data: dict[str, Any]) -> str:
-    """A node's kind in a word: its module class, function, method or role."""
-    op = data.get("op")
-    if op in ("call_module", "module"):
-        return clip(str(data.get("module_type") or "module").rsplit(".", 1)[-1])
-    if op == "call_method":
-        return f".{clip(data.get('target'))}()"
-    if op == "call_function":
-        return clip(short_name(str(data.get("target"))))
-    return clip({"placeholder": "input", "get_attr": "parameter", "output": "output"}.get(
-        op, str(op or "")))
+    """A node's kind as drawn: :func:`fxnx._analysis.node_kind`, cut short; a method as ``.view()``."""
+    word = clip(node_kind(data))
+    return f".{word}()" if data.get("op") == "call_method" else word
 
 
 def _title(node: Any, data: dict[str, Any], boxed: bool = True) -> str:
