@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import networkx as nx
@@ -22,8 +23,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from ._callinfo import bind_call, fetch_attr, occurrences, qualified_name
 from ._capture import Capture, capture
-from ._capture.options import LeafSpec
 from ._costs import kernel, node_flops, propagate_and_count
+from ._errors import FxnxTypeError
 from ._version import FORMAT_VERSION, __version__
 
 __all__ = ["convert", "graph_from_capture"]
@@ -33,14 +34,7 @@ def convert(
     model: nn.Module | Callable[..., Any],
     *example_inputs: Any,
     kwargs: Mapping[str, Any] | None = None,
-    leaf_modules: Iterable[LeafSpec] | LeafSpec = (),
-    concrete_args: Mapping[str, Any] | None = None,
-    input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
-    dtype: torch.dtype = torch.float32,
-    fake: bool = False,
-    level: str = "module",
-    routes: str | Sequence[str] = "auto",
-    leaf_on_failure: bool = False,
+    **options: Any,
 ) -> nx.MultiDiGraph:
     """Convert a PyTorch model into a graph of its dataflow.
 
@@ -53,39 +47,16 @@ def convert(
         full structure and ``None`` for every shape and dtype.
     kwargs : mapping, optional
         Keyword inputs of ``model.forward``.
-    leaf_modules : iterable of module classes or qualified names, or "torch.nn", optional
-        Submodules to keep as single nodes instead of tracing through them.
-        By default torch's primitive layers (Linear, Conv, norms, activations,
-        ``nn.MultiheadAttention``) stay whole and its composites
-        (``nn.TransformerEncoder``, ``nn.Transformer``, containers) are traced
-        into; ``"torch.nn"`` keeps every ``torch.nn`` module whole, as torch.fx does.
-    concrete_args : mapping, optional
-        Inputs fixed to constants while tracing, as in ``torch.fx.symbolic_trace``.
-    input_shape : shape or list of shapes, optional
-        Instead of example inputs: one shape per positional input (``dtype``,
-        on the model's device). With a model built on the ``meta`` device,
-        nothing is allocated or computed: models too big to run convert in seconds.
-    dtype : torch.dtype
-        The dtype of the inputs made from ``input_shape``.
-    fake : bool
-        Propagate shapes with fake tensors (no real compute) for a real model.
-    level : {"module", "aten", "joint"}
-        ``"module"`` (default): modules and functions as the model calls them.
-        ``"aten"``: the forward pass as ATen operators. ``"joint"``: forward and
-        backward as ATen operators in one graph, with inputs ``primals_*``
-        (parameters, buffers, data) and ``tangents_*`` (one gradient per
-        output); every node's ``phase`` says ``"forward"`` or ``"backward"``
-        and ``G.graph["gradients"]`` names the node computing each gradient.
-    routes : "auto", a route name, or a sequence of them
-        How to capture when ``level="module"``: ``symbolic_trace``, then
-        ``export`` (``torch.export``, non-strict), ``draft_export`` and
-        ``make_fx``, until one works; ``G.graph["capture"]`` names it, and
-        ``G.graph["capture_options"]`` keeps every option that made the graph,
-        so :func:`fxnx.route_credit` captures it again the same way. The
-        fallbacks give ATen-level nodes that keep their module path in ``scope``.
-    leaf_on_failure : bool
-        Keep a submodule that symbolic tracing fails in as one opaque node
-        (``opaque=True``) and trace the rest, rather than falling back.
+    **options
+        How to capture the model: the keyword options of :func:`fxnx.capture`, declared and
+        documented there once (``leaf_modules``, ``concrete_args``, ``input_shape``,
+        ``dtype``, ``fake``, ``level``, ``routes``, ``leaf_on_failure``). With a model built
+        on the ``meta`` device and ``input_shape``, nothing is allocated or computed: models
+        too big to run convert in seconds. ``G.graph["capture"]`` names the route that won and
+        ``G.graph["capture_options"]`` keeps every option that made the graph, so
+        :func:`fxnx.route_credit` captures it again the same way. With ``level="joint"``,
+        every node's ``phase`` says ``"forward"`` or ``"backward"`` and
+        ``G.graph["gradients"]`` names the node computing each gradient.
 
     Returns
     -------
@@ -113,18 +84,9 @@ def convert(
     """
     with _collection_paused():
         cap = capture(  # holds TRACING_LOCK through each route's shape propagation
-            model,
-            example_inputs,
-            kwargs,
-            leaf_modules=leaf_modules,
-            concrete_args=concrete_args,
+            model, example_inputs, kwargs,
             propagate=propagate_and_count,  # each route's graph, counting FLOPs on the way
-            input_shape=input_shape,
-            dtype=dtype,
-            fake=fake,
-            level=level,
-            routes=routes,
-            leaf_on_failure=leaf_on_failure,
+            **_capture_options(options),
         )
         return _graph(cap, cap.propagation)
 
@@ -145,6 +107,28 @@ def _collection_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+#: The options convert passes to capture: capture's keyword options, declared there once, but
+#: ``propagate`` (convert propagates the inputs itself, counting costs on the way).
+_OPTIONS = tuple(p for p in inspect.signature(capture).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "propagate")
+
+# help(), IDEs and the API docs show capture's options in convert's signature.
+convert.__signature__ = inspect.signature(convert).replace(  # type: ignore[attr-defined]
+    parameters=[*list(inspect.signature(convert).parameters.values())[:-1], *_OPTIONS])
+
+
+def _capture_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` if each is one of capture's, else TypeError as Python's own names it."""
+    names = [p.name for p in _OPTIONS]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise FxnxTypeError(
+            f"convert() got an unexpected keyword argument {unknown[0]!r}: its options are "
+            f"fxnx.capture's ({', '.join(names)})"
+        )
+    return options
 
 
 def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
@@ -250,8 +234,8 @@ def _describe(meta: Any) -> tuple[Any, Any, int | None]:
     """(shape, dtype, nbytes) of a ShapeProp ``tensor_meta``, mirroring nested outputs."""
     if isinstance(meta, TensorMetadata):
         shape = tuple(d if isinstance(d, str) else int(d) for d in meta.shape)
-        known = all(isinstance(d, int) for d in shape)
-        return shape, str(meta.dtype), math.prod(shape) * meta.dtype.itemsize if known else None
+        numeric = all(isinstance(d, int) for d in shape)
+        return shape, str(meta.dtype), math.prod(shape) * meta.dtype.itemsize if numeric else None
     if isinstance(meta, (list, tuple)):
         parts = [_describe(m) for m in meta]
         known = [p[2] for p in parts if p[2] is not None]

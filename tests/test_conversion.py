@@ -445,3 +445,15 @@ def test_forward_signatures_convert_and_route_like_the_eager_model(model, extra)
     x_ = x.clone().requires_grad_()
     (want,) = torch.autograd.grad(model(x_, *extra).sum(), x_)
     assert torch.allclose(res.node_credit[name], want, rtol=0, atol=1e-12)
+
+
+def test_convert_takes_captures_options_declared_once():
+    import inspect
+
+    convert = inspect.signature(fxnx.convert).parameters
+    capture = inspect.signature(fxnx.capture).parameters
+    options = [n for n, p in capture.items() if p.kind is p.KEYWORD_ONLY and n != "propagate"]
+    assert [n for n, p in convert.items() if p.kind is p.KEYWORD_ONLY and n != "kwargs"] == options
+    assert all(convert[n].default == capture[n].default for n in options)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'leaf_module'.*leaf_modules"):
+        fxnx.convert(torch.nn.Linear(2, 2), torch.zeros(1, 2), leaf_module=["x"])

@@ -23,6 +23,7 @@ from fxnx import _drawing as dr
 from fxnx._drawing import style as _style
 from fxnx._drawing.view import check_nodes, without_checks
 
+from conftest import assert_graphs_equal
 from zoo import CASES
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -852,3 +853,40 @@ def test_a_subgraphs_drawing_is_the_same_in_every_process(tmp_path, torchvision_
                               env={**os.environ, "PYTHONHASHSEED": seed})
         texts.add(done.stdout)
     assert len(texts) == 1
+
+
+class _Checked(torch.nn.Module):
+    """A residual block that checks its input as timm's models do: an assertion node in G."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+
+    def forward(self, x):
+        torch._assert(x.shape[-1] == 4, "four features")
+        return self.block(x) + x
+
+
+class _Unchecked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+
+    def forward(self, x):
+        return self.block(x) + x
+
+
+@pytest.mark.parametrize("model", [_Checked, _Unchecked])
+@pytest.mark.parametrize("options", [{}, {"depth": 1}, {"checks": True}, {"color_by": "order"},
+                                     {"clusters": False, "rankdir": "LR"}])
+def test_draw_and_to_pydot_leave_G_as_it_was(model, options, tmp_path):
+    import copy
+
+    G = fxnx.convert(model(), torch.zeros(2, 4))
+    assert any("_assert" in str(d.get("target")) for _, d in G.nodes(data=True)) == (model is _Checked)
+    before = copy.deepcopy(G)
+    fxnx.to_pydot(G, **options)
+    fxnx.draw(G, tmp_path / "g.dot", **options)
+    fxnx.draw(G, **options).dot  # noqa: B018  (the inline drawing's DOT text)
+    assert_graphs_equal(G, before)
+    assert not any("branch_role" in d for _, d in G.nodes(data=True))  # skips marked on a copy
