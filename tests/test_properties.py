@@ -21,6 +21,8 @@ import fxnx
 from fxnx import _safepickle
 from fxnx.errors import GraphContractError, GraphFileError
 
+from conftest import assert_graphs_equal
+
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -158,3 +160,50 @@ def test_user_attributes_round_trip_through_pickle_and_json(tmp_path_factory, na
         return  # JSON refuses what it cannot hold (NaN, clashing names) with one error
     # fxnx's JSON keeps tuples apart from lists: the value comes back equal, tuples as tuples
     assert fxnx.read_json(path / "g.json").nodes["output"][name] == value
+
+
+# --- collapsing modules for a drawing ----------------------------------------------------------------
+
+SCOPES = ["", "a", "a.b", "a.b.c", "a.d", "e", "e.f", "e.f.g"]
+
+
+@st.composite
+def scoped_dags(draw):
+    """A random DAG of ``call_function`` nodes, each in a module scope, between an input and an
+    output: what collapse sees of a traced model."""
+    n = draw(st.integers(1, 14))
+    names = ["x", *(f"n{i}" for i in range(n)), "output"]
+    G = nx.MultiDiGraph()
+    for i, name in enumerate(names):
+        op = "placeholder" if name == "x" else "output" if name == "output" else "call_function"
+        scope = "" if op != "call_function" else draw(st.sampled_from(SCOPES))
+        G.add_node(name, op=op, target=name, scope=scope, order=i)
+    for j in range(1, len(names)):  # every node reads an earlier one; some read more
+        for i in draw(st.sets(st.integers(0, j - 1), min_size=1, max_size=3)):
+            G.add_edge(names[i], names[j], arg=0, shape=[1, 2])
+    return G
+
+
+@SETTINGS
+@given(scoped_dags(), st.integers(1, 3))
+def test_collapse_keeps_every_node_and_edge_and_makes_no_cycle(G, depth):
+    import copy
+
+    from fxnx._drawing.view import collapse, collapsed_size
+
+    before = copy.deepcopy(G)
+    H = collapse(G, depth, skips=False)
+    assert_graphs_equal(G, before)  # the caller's graph is untouched
+    assert nx.is_directed_acyclic_graph(H)
+
+    def home(node):  # where a node of G is drawn: itself, or the module at depth holding it
+        if node in H:
+            return node
+        return ".".join(G.nodes[node]["scope"].split(".")[:depth])
+
+    assert all(home(n) in H for n in G)
+    drawn = sum(d["members"] if d["op"] == "module" else 1 for _, d in H.nodes(data=True))
+    assert drawn == G.number_of_nodes()  # each node of G drawn once, alone or in its module
+    edges = {(home(u), home(v)) for u, v in G.edges() if home(u) != home(v)}
+    assert set(H.edges()) == edges  # no edge lost, none made up
+    assert collapsed_size(G, depth) <= H.number_of_nodes()
