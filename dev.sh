@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up and entry points for fxnx. Run from anywhere:
 #   ./dev.sh demo            install everything, convert ResNet-18, write out/resnet18.pkl, print its summary
-#   ./dev.sh test [ARGS...]  install everything, run ruff and the whole test suite (ARGS go to pytest)
+#   ./dev.sh test [ARGS...]  install everything, run ruff, mypy and the whole test suite (ARGS go to pytest)
 #   ./dev.sh bench           install everything, run the benchmark scripts
 # The virtual environment (.venv, or $FXNX_VENV) is reused when it is complete and up to date;
 # it is installed with constraints/dev.txt, the exact torch builds development and CI use.
@@ -52,6 +52,8 @@ case "$cmd" in
         need_graphviz; need_venv
         echo "dev.sh: ruff check (style, as configured in pyproject.toml)" >&2
         "$VENV/bin/ruff" check .
+        echo "dev.sh: mypy fxnx (types, as configured in pyproject.toml)" >&2
+        "$VENV/bin/mypy" fxnx
         exec "$VENV/bin/python" -m pytest -n 2 "$@"
         ;;
     bench)

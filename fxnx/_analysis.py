@@ -601,7 +601,7 @@ def node_kind(data: dict[str, Any]) -> str:
     >>> node_kind({"op": "placeholder"})
     'input'
     """
-    op = data.get("op")
+    op: Any = data.get("op")
     if op in ("call_module", "module"):
         return str(data.get("module_type") or "module").rsplit(".", 1)[-1]
     if op in ("call_function", "call_method"):

@@ -21,7 +21,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -94,7 +94,8 @@ def occurrences(node: fx.Node, names: list[str | None]) -> Iterator[tuple[int | 
         if isinstance(value, fx.Node):
             yield i, value
         else:
-            yield from _walk(value, names[i] if i < len(names) and names[i] else str(i))
+            name = names[i] if i < len(names) else None
+            yield from _walk(value, name or str(i))
     for key, value in node.kwargs.items():
         yield from _walk(value, key)
 
@@ -142,14 +143,15 @@ def _signatures(
     if node.op == "call_module":
         if module is None:
             module = gm.get_submodule(node.target)  # type: ignore[arg-type]
-        return _module_signatures(type(module))
+        cls: type = type(module)  # as plain type: mypy refuses type[Module] as Hashable
+        return _module_signatures(cls)
     if node.op == "call_method":
         return _method_signatures(node.target)  # type: ignore[arg-type]
-    return _function_signatures(node.target)
+    return _function_signatures(cast(Callable[..., Any], node.target))  # call_function: a callable
 
 
 @cache
-def _module_signatures(cls: type) -> tuple[inspect.Signature, ...]:
+def _module_signatures(cls: type[torch.nn.Module]) -> tuple[inspect.Signature, ...]:
     sig = inspect.signature(cls.forward)
     params = list(sig.parameters.values())[1:]  # drop self
     return (sig.replace(parameters=params),)

@@ -122,8 +122,8 @@ def _held(*signums: int) -> Iterator[None]:
     or makes Python exit by SIGINT whatever :func:`main` returns. A second signal while one is
     held is handled at once: pressing Ctrl-C again stops even a slow import.
     """
-    handlers = {s: signal.getsignal(s) for s in signums}
-    handlers = {s: h for s, h in handlers.items() if callable(h)}
+    current = {s: signal.getsignal(s) for s in signums}
+    handlers = {s: h for s, h in current.items() if callable(h)}
     if threading.current_thread() is not threading.main_thread():
         handlers = {}
     caught: list[int] = []

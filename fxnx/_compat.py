@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx as fx
@@ -166,6 +166,8 @@ def _pytree_module() -> Any:
 #: torch's pytree module (flatten, unflatten, map over nested containers).
 pytree = _pytree_module()
 
+_FakeTensor: type[Any] | None
+_FakeTensorMode: type[Any] | None
 try:
     from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
     from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
@@ -248,7 +250,10 @@ def qualified_function_name(target: Callable[..., Any]) -> str:
 
 
 #: The class of ATen operator overloads (``torch.ops.aten.add.Tensor``).
-OpOverload: type = type(torch.ops.aten.add.Tensor)
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+else:
+    OpOverload = type(torch.ops.aten.add.Tensor)
 
 
 #: ATen operators that read a tensor's value into Python (``.item()``, ``if x.sum() > 0``).
@@ -287,7 +292,9 @@ def method_schema_signatures(name: str) -> list[Any]:
         return []
 
 
-def make_fx_following_values(fn: Callable[..., Any], tracing_mode: str) -> Callable[..., fx.GraphModule]:
+def make_fx_following_values(
+    fn: Callable[..., Any], tracing_mode: Literal["real", "fake", "symbolic"]
+) -> Callable[..., fx.GraphModule]:
     """``make_fx`` that follows control flow on tensor values instead of failing on it."""
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import networkx as nx
 
@@ -436,7 +436,8 @@ def validate(G: Any) -> None:
     for node, data in G.nodes(data=True):
         if type(node) is not str:
             raise GraphContractError(f"node {_got(node)}: node names must be str")
-        _check_attributes(data, _NODE, required, lambda node=node: f"node {_SHORT.repr(node)}")
+        # cast: mypy cannot infer a lambda with defaults
+        _check_attributes(data, _NODE, required, cast("Callable[[], str]", lambda node=node: f"node {_SHORT.repr(node)}"))
     for u, v, key, data in G.edges(keys=True, data=True):
         if type(key) is not int:
             raise GraphContractError(
@@ -444,7 +445,7 @@ def validate(G: Any) -> None:
             )
         _check_attributes(
             data, _EDGE, required,
-            lambda u=u, v=v, key=key: f"edge {_SHORT.repr(u)} -> {_SHORT.repr(v)} (key {key})",
+            cast("Callable[[], str]", lambda u=u, v=v, key=key: f"edge {_SHORT.repr(u)} -> {_SHORT.repr(v)} (key {key})"),
         )
     if not nx.is_directed_acyclic_graph(G):
         cycle = [u for u, *_ in nx.find_cycle(G)]

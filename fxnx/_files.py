@@ -214,7 +214,7 @@ class _GraphPickler(pickle.Pickler):
         if isinstance(obj, nx.Graph):
             state = {key: vars(obj)[key] for key in _GRAPH_STATE if key in vars(obj)}
             state["__networkx_cache__"] = {}
-            return copyreg.__newobj__, (nx.MultiDiGraph,), state
+            return copyreg.__newobj__, (nx.MultiDiGraph,), state  # type: ignore[attr-defined]  # typeshed lacks it
         return NotImplemented
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import networkx as nx
 
@@ -266,7 +266,7 @@ def receptive_fields(
             fields[node] = ReceptiveField((1,) * rank, (1,) * rank, (0,) * rank)
             continue
         reads = [
-            (data.get("arg"), fields[u], data.get("shape"))
+            (data.get("arg"), cast(ReceptiveField, fields[u]), data.get("shape"))  # not None: filtered below
             for u, _, data in G.in_edges(node, data=True)
             # shapes and other plain values read from a tensor carry no dtype: not data
             if fields.get(u) is not None and data.get("dtype") is not None
@@ -407,7 +407,7 @@ def _apply(
 
 def _adaptive(
     G: nx.MultiDiGraph, node: str, main: ReceptiveField, reads: list[Any], rank: int
-) -> ReceptiveField:
+) -> ReceptiveField | None:
     """An adaptive pooling whose output divides its input is a plain one; otherwise, a union."""
     extents = _spatial(next(shape for _, rf, shape in reads if rf is main), rank)
     out = _spatial(G.nodes[node].get("out_shape"), rank)

@@ -1,9 +1,12 @@
-"""Shared fixtures: torchvision models (no weights, built once per session) and checks."""
+"""Shared fixtures and helpers, the one place tests take them from: torchvision models (no
+weights, built once per session), graph checks, relative errors, re-initialising zero-initialised
+layers, and the mark for tests that need Graphviz's ``dot``."""
 
 from __future__ import annotations
 
 import functools
 import math
+import shutil
 import signal
 
 import pytest
@@ -24,6 +27,26 @@ def pytest_addoption(parser):
         action="store_true",
         help="rewrite the golden DOT files in tests/golden from the current code (review the diff)",
     )
+
+
+#: Tests that run Graphviz's ``dot`` (PNG, SVG, PDF): skipped only where it is not installed.
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``‖got − want‖ / ‖want‖``, detached, in float64; the absolute error where ``want`` is 0."""
+    got, want = got.detach().double(), want.detach().double()
+    scale, diff = float(want.norm()), float((got - want).norm())
+    return diff / scale if scale else diff
+
+
+def reinit(model: torch.nn.Module) -> torch.nn.Module:
+    """Give zero-initialised parameters values, so that credit through them is not vacuous."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.abs().sum():
+                torch.nn.init.uniform_(p, -0.5, 0.5)
+    return model
 
 
 #: The torchvision classifiers the contract is checked on, with readable test ids.

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fxnx
+import fxnx._analysis
 
 from zoo import CASES
 

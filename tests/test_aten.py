@@ -16,9 +16,10 @@ import torch.fx as fx
 from torch import nn
 
 import fxnx
+import fxnx._convert
 
 from blocktorch import run_without_torch
-from conftest import assert_graph_plain
+from conftest import assert_graph_plain, needs_dot
 
 
 class _Recorder(fx.Interpreter):
@@ -198,6 +199,7 @@ def test_joint_graph_pickles_and_loads_without_torch(tmp_path):
     assert result.stdout.split() == ["joint", "1", str(backward)]
 
 
+@needs_dot
 def test_joint_graph_draws_with_its_backward_pass_marked(tmp_path):
     G = fxnx.convert(_mlp(), torch.randn(2, 4, dtype=torch.float64), level="joint")
     dot = fxnx.to_pydot(G).to_string()

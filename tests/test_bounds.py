@@ -19,6 +19,8 @@ import pytest
 import fxnx
 from fxnx import _analysis as analysis
 
+from conftest import needs_dot
+
 TESTS = Path(__file__).parent
 
 
@@ -292,6 +294,7 @@ def test_a_long_cycle_is_named_by_its_first_nodes():
 # --- collapsing modules: one pass --------------------------------------------------------------
 
 
+@needs_dot
 def test_collapsing_2000_modules_that_each_close_a_cycle_takes_seconds(tmp_path):
     # Each cycle found cost a rebuild of the whole view: minutes for a 500 KB file.
     out = _within(30, f"""
@@ -315,6 +318,7 @@ def test_collapsing_2000_modules_that_each_close_a_cycle_takes_seconds(tmp_path)
     assert 400 <= int(out) <= 600  # KB pickled: the size of the file that took minutes
 
 
+@needs_dot
 def test_modules_nested_thousands_deep_draw_in_seconds(tmp_path):
     # Before: a RecursionError writing .dot, and 90 s choosing a PNG's depth (a 34 KB file).
     _within(30, f"""

@@ -24,6 +24,7 @@ from fxnx._capture.common import Route
 from fxnx._capture.registry import ROUTES
 
 from blocktorch import run_without_torch
+from conftest import rel_error
 
 
 class Block(nn.Module):
@@ -64,10 +65,6 @@ class Gated(nn.Module):
 
     def forward(self, x):
         return self.gate(self.a(x)) + x
-
-
-def _rel(got, want):
-    return float((got - want).norm() / want.norm())
 
 
 def _autograd(model, x, **kwargs):
@@ -120,9 +117,9 @@ def test_graph_keeps_its_options_and_credit_recaptures_with_them(options, want, 
     # caller gives them again; the stored ones are only checked.
     res = fxnx.route_credit(G2, model, x, concrete_args=options.get("concrete_args"))
     want_x, want_p = _autograd(model, x, double=bool(dict(options.get("concrete_args", {}))))
-    assert _rel(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
+    assert rel_error(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
     for name, g in want_p.items():
-        assert _rel(res.param_credit[name], g) <= 1e-12, name
+        assert rel_error(res.param_credit[name], g) <= 1e-12, name
     # It captured again once, with exactly the stored options (the winning route only).
     assert len(seen) == 1
     assert seen[0]["routes"] == (stored["route"],)
@@ -153,7 +150,7 @@ def test_modules_kept_whole_on_failure_are_leaves_when_captured_again(monkeypatc
     res = fxnx.route_credit(G, model, x)
     assert list(seen[0]["leaf_modules"]) == ["gate"] and seen[0]["leaf_on_failure"] is False
     want_x, _ = _autograd(model, x)
-    assert _rel(res.node_credit["x"], want_x) <= 1e-12
+    assert rel_error(res.node_credit["x"], want_x) <= 1e-12
 
 
 def test_a_concrete_arg_a_graph_cannot_hold_must_be_passed_again():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import fxnx
 from fxnx._cli import main
 
 from blocktorch import run_without_torch
+from conftest import needs_dot
 
 
 def test_convert_writes_the_graph_and_prints_the_summary(tmp_path, capsys):
@@ -101,6 +101,7 @@ def test_real_process_convert_then_info_without_torch(tmp_path):
     assert "skip connections      8" in info.stdout
 
 
+@needs_dot
 def test_batch_convert_to_a_folder_with_json_and_png(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("fxnx._cli._interactive", lambda: True)
     out = tmp_path / "graphs"
@@ -130,6 +131,7 @@ def test_info_reads_json(tmp_path, capsys):
     assert "skip connections      8" in capsys.readouterr().out
 
 
+@needs_dot
 def test_credit_routes_and_draws(tmp_path, capsys):
     out = tmp_path / "credit.png"
     argv = ["credit", "resnet18", "--input-shape", "2,3,32,32", "--rule", "feedback_alignment",
@@ -143,6 +145,7 @@ def test_credit_routes_and_draws(tmp_path, capsys):
     assert all(v > 0 for _, v in G.nodes(data="credit_norm") if v is not None)
 
 
+@needs_dot
 def test_draw_a_saved_graph_without_torch(tmp_path):
     main(["convert", "resnet50", "--input-shape", "1,3,32,32", "-o", str(tmp_path / "r.pkl")])
     code = "from fxnx._cli import main; raise SystemExit(main())"
@@ -184,6 +187,7 @@ def test_draw_leaves_checks_out_unless_asked(tmp_path):
     [(["draw", "missing.pkl"], "No such file"),
      (["draw", "{pkl}", "--color-by", "credit_norm"], "run fxnx.route_credit on G first")],
 )
+@needs_dot
 def test_draw_errors_are_one_line(argv, message, tmp_path, capsys):
     pkl = tmp_path / "g.pkl"
     main(["convert", "resnet18", "--input-shape", "1,3,32,32", "-o", str(pkl)])
@@ -382,6 +386,7 @@ def test_a_bad_option_is_a_usage_error(argv, message, bad_files, capsys):
 
 
 @pytest.mark.parametrize(("argv", "message"), ERRORS.values(), ids=ERRORS)
+@needs_dot
 def test_an_error_is_one_line_and_exit_1(argv, message, bad_files, capsys):
     assert _run(argv, bad_files) == 1
     err = capsys.readouterr().err
@@ -436,6 +441,7 @@ def test_integer_dtype_gives_token_ids_and_keeps_the_model_float(tmp_path, capsy
                  "--level", "joint"]) == 0
 
 
+@needs_dot
 def test_outputs_in_missing_folders_are_made(bad_files, capsys):
     assert main(["draw", "tiny.pkl", "-o", "new/deeper/t.svg"]) == 0
     assert (bad_files / "new" / "deeper" / "t.svg").read_text().lstrip().startswith("<?xml")
@@ -444,6 +450,7 @@ def test_outputs_in_missing_folders_are_made(bad_files, capsys):
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's read-only /proc")
+@needs_dot
 def test_an_unwritable_output_is_one_line(bad_files, capsys):
     for argv in ([*TINY, "-o", "/proc/fxnx-test/t.pkl"], ["draw", "tiny.pkl", "-o", "/proc/t.png"]):
         assert main(argv) == 1
@@ -596,7 +603,7 @@ def test_draw_and_credit_take_a_layout_direction(bad_files, capsys):
     assert "argument --rankdir: invalid choice: 'RL'" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not shutil.which("dot"), reason="Graphviz dot is not installed")
+@needs_dot
 def test_a_left_to_right_png_of_a_chain_is_wide(bad_files, capsys):
     """40 layers in a row: tall from top to bottom, wide from left to right."""
     import struct

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fxnx
+import fxnx._errors
 from fxnx._contract import PRESENCE
 
 from zoo import CASES

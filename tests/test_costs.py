@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxnx
+import fxnx._convert
 from fxnx import _costs
 from fxnx._capture import capture
 from fxnx.frames import cost_summary, module_costs

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import fxnx
 
-from conftest import TORCHVISION
+from conftest import TORCHVISION, rel_error
 from zoo import CASES
 
 # --- the oracle: plain autograd over an independent trace, in-place ops switched off ----------
@@ -83,12 +83,6 @@ def autograd_credit(model, inputs, output_credit=None, edit=None):
     return nodes, param_grads
 
 
-def _rel(a, b):
-    scale = float(b.norm())
-    diff = float((a - b).norm())
-    return diff / scale if scale > 0 else diff
-
-
 def assert_matches_autograd(res, nodes, params, tol):
     worst = 0.0
     for name, expected in nodes.items():
@@ -99,13 +93,13 @@ def assert_matches_autograd(res, nodes, params, tol):
                 if i < len(flat) and isinstance(flat[i], torch.Tensor)
                 else torch.zeros_like(g)
             )
-            err = _rel(got, g)
+            err = rel_error(got, g)
             worst = max(worst, err)
             assert err <= tol, f"node {name}[{i}]: relative error {err:.3e}"
     assert set(res.param_credit) <= set(params)
     for name, g in params.items():
         got = res.param_credit.get(name, torch.zeros_like(g))
-        err = _rel(got, g)
+        err = rel_error(got, g)
         assert err <= tol, f"parameter {name}: relative error {err:.3e}"
     # Not vacuous: credit reached the first input and most nodes.
     nonzero = sum(any(float(g.norm()) > 0 for g in e.values()) for e in nodes.values())
@@ -225,9 +219,9 @@ def test_removing_a_skip_edge_routes_only_through_the_residual():
 
     nodes, params = autograd_credit(model, [x], edit=detach_skip)
     for name in ("maxpool", "x", "conv1"):
-        assert _rel(cut.node_credit[name], nodes[name][0]) <= 1e-12
-    assert _rel(cut.node_credit["maxpool"], full.node_credit["maxpool"]) > 0.01
-    assert _rel(cut.param_credit["conv1.weight"], params["conv1.weight"]) <= 1e-12
+        assert rel_error(cut.node_credit[name], nodes[name][0]) <= 1e-12
+    assert rel_error(cut.node_credit["maxpool"], full.node_credit["maxpool"]) > 0.01
+    assert rel_error(cut.param_credit["conv1.weight"], params["conv1.weight"]) <= 1e-12
 
 
 def test_non_tensor_nodes_carry_no_credit():
@@ -347,9 +341,9 @@ def test_feedback_alignment_with_b_equal_to_w_reproduces_exact():
     assert sum(r == "feedback_alignment" for r in fa.rules.values()) == 21
     for name, credit in exact.node_credit.items():
         if credit is not None:
-            assert _rel(fa.node_credit[name], credit) <= 1e-12, name
+            assert rel_error(fa.node_credit[name], credit) <= 1e-12, name
     for name, credit in exact.param_credit.items():
-        assert _rel(fa.param_credit[name], credit) <= 1e-12, name
+        assert rel_error(fa.param_credit[name], credit) <= 1e-12, name
 
 
 def test_random_feedback_differs_and_is_reproducible():
@@ -399,7 +393,7 @@ def test_feedback_alignment_on_same_padding_conv():
         G, model, x, rule="feedback_alignment", feedback={"_0": model[0].weight.detach()}
     )
     exact = fxnx.route_credit(G, model, x)
-    assert _rel(fa.node_credit["input_1"], exact.node_credit["input_1"]) <= 1e-12
+    assert rel_error(fa.node_credit["input_1"], exact.node_credit["input_1"]) <= 1e-12
 
 
 def test_user_rule_by_node_name_is_the_one_called():
@@ -605,10 +599,10 @@ def test_buffers_read_through_get_attr_are_constants(routes, mode):
     stats = {k: v.clone() for k, v in model.state_dict().items()}
     res = fxnx.route_credit(G, model, x)
     want_x, want = _autograd_param_and_input_credit(model, x)
-    assert _rel(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
+    assert rel_error(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
     assert sorted(res.param_credit) == sorted(want)
     for name, g in want.items():
-        assert _rel(res.param_credit[name], g) <= 1e-12, name
+        assert rel_error(res.param_credit[name], g) <= 1e-12, name
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in stats.items())
 
 
@@ -664,8 +658,8 @@ def test_the_capture_is_reused_while_only_parameter_values_change(routes, monkey
     for step in range(3):
         res = fxnx.route_credit(G, model, x * (step + 1))
         want_x, want_w = _input_and_weight_credit(model, x * (step + 1), "lin.weight")
-        assert _rel(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
-        assert _rel(res.param_credit["lin.weight"], want_w) <= 1e-12
+        assert rel_error(res.node_credit[G.graph["inputs"][0]["name"]], want_x) <= 1e-12
+        assert rel_error(res.param_credit["lin.weight"], want_w) <= 1e-12
         with torch.no_grad():  # what an optimizer step does: values change in place
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
@@ -682,7 +676,7 @@ def test_a_changed_structure_is_captured_again(monkeypatch):
     model.lin = nn.Linear(4, 4).double()  # same shapes, another module
     res = fxnx.route_credit(G, model, x)
     _, want_w = _input_and_weight_credit(model, x, "lin.weight")
-    assert _rel(res.param_credit["lin.weight"], want_w) <= 1e-12
+    assert rel_error(res.param_credit["lin.weight"], want_w) <= 1e-12
     model.eval()  # was in training mode
     fxnx.route_credit(G, model, x)
     assert counter.calls == 3
@@ -690,7 +684,7 @@ def test_a_changed_structure_is_captured_again(monkeypatch):
     res = fxnx.route_credit(G, model, x5)  # a symbolic trace holds for any batch size
     assert counter.calls == 3
     want_x, _ = _input_and_weight_credit(model, x5, "lin.weight")
-    assert _rel(res.node_credit["x"], want_x) <= 1e-12
+    assert rel_error(res.node_credit["x"], want_x) <= 1e-12
 
 
 @pytest.mark.parametrize("leaf", ["act", nn.Tanh], ids=["name", "class"])
@@ -709,7 +703,7 @@ def test_a_single_leaf_module_spec_is_not_split_into_characters(leaf):
     res = fxnx.route_credit(G, model, x, leaf_modules=leaf)
     x_ = x.clone().requires_grad_()
     (want,) = torch.autograd.grad(model(x_).sum(), x_)
-    assert _rel(res.node_credit["x"], want) <= 1e-12
+    assert rel_error(res.node_credit["x"], want) <= 1e-12
 
 
 def test_a_changed_plain_attribute_is_captured_again():
@@ -730,7 +724,7 @@ def test_a_changed_plain_attribute_is_captured_again():
     model.scale = 5.0
     res = fxnx.route_credit(G, model, x)
     want_x, _ = _input_and_weight_credit(model, x, "lin.weight")
-    assert _rel(res.node_credit["x"], want_x) <= 1e-12
+    assert rel_error(res.node_credit["x"], want_x) <= 1e-12
 
 
 def test_the_capture_cache_keeps_no_model_alive():

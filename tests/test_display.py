@@ -22,9 +22,8 @@ import fxnx
 import fxnx._drawing.draw
 from fxnx import _drawing as dr
 
+from conftest import needs_dot
 from zoo import CASES
-
-needs_dot = pytest.mark.skipif(dr.graphviz.shutil.which("dot") is None, reason="Graphviz dot not installed")
 
 
 def _zoo(name):

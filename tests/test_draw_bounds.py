@@ -21,7 +21,7 @@ import fxnx
 import fxnx._drawing.draw
 from fxnx import _drawing as dr
 
-needs_dot = pytest.mark.skipif(dr.graphviz.shutil.which("dot") is None, reason="Graphviz dot not installed")
+from conftest import needs_dot
 
 #: What draw promises a PNG drawn without depth (its docstring and the README): Graphviz's pixel
 #: limit always, and about PNG_AREA square inches, dot's own layout within 1.5 times the

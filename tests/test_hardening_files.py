@@ -23,6 +23,7 @@ import torch
 from test_io import _half_then_fail
 
 import fxnx
+import fxnx._files
 from fxnx._cli import main
 
 from blocktorch import run_without_torch

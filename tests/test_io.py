@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fxnx
+import fxnx._files
 from fxnx._cli import main
 
 from blocktorch import run_without_torch

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fxnx
+import fxnx._memory
 from fxnx._memory import ATEN_VIEWS, ITEMSIZE, VIEW_NAMES, memory_profile
 
 # --- the oracle -------------------------------------------------------------------------------

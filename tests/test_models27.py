@@ -22,13 +22,9 @@ from fxnx._capture.registry import ROUTES
 from fxnx._credit import faithful
 from fxnx._credit import router as engine
 
+from conftest import rel_error
+
 TOL = 1e-10
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    scale = float(b.norm())
-    return float((a - b).norm()) / scale if scale else float(a.norm())
 
 
 def _autograd(model: nn.Module, x: torch.Tensor):
@@ -48,10 +44,10 @@ def _input(G) -> str:
 
 def _assert_exact(res, G, model, x) -> None:
     out, gx, gp = _autograd(model, x)
-    assert _rel(res.output, out) <= TOL
-    assert _rel(res.node_credit[_input(G)], gx) <= TOL
+    assert rel_error(res.output, out) <= TOL
+    assert rel_error(res.node_credit[_input(G)], gx) <= TOL
     for name, g in gp.items():
-        assert _rel(res.param_credit.get(name, torch.zeros_like(g)), g) <= TOL, name
+        assert rel_error(res.param_credit.get(name, torch.zeros_like(g)), g) <= TOL, name
 
 
 def _built(cls, seed: int = 0) -> nn.Module:
@@ -85,10 +81,10 @@ def test_a_write_in_place_is_followed_by_the_router(case, routes):
     for _ in range(2):  # the first call checks against the captured graph, the second does not
         model.zero_grad(set_to_none=True)
         got = router(x)
-        assert _rel(got.detach(), out) <= TOL
+        assert rel_error(got.detach(), out) <= TOL
         got.sum().backward()
         for name, p in model.named_parameters():
-            assert _rel(p.grad, gp[name]) <= TOL, name
+            assert rel_error(p.grad, gp[name]) <= TOL, name
 
 
 def test_the_credit_of_a_value_written_later_is_that_of_the_value_it_computed():
@@ -101,8 +97,8 @@ def test_the_credit_of_a_value_written_later_is_that_of_the_value_it_computed():
     written = torch.cat([h[:, :2] + model.m(x), h[:, 2:]], 1)
     (want,) = torch.autograd.grad((written * 2).sum(), h)
     assert G.graph["capture"] == "export"
-    assert _rel(res.node_credit["linear"], want) <= TOL
-    assert _rel(res.node_credit["slice_1"], torch.full((5, 2), 2.0, dtype=torch.float64)) <= TOL
+    assert rel_error(res.node_credit["linear"], want) <= TOL
+    assert rel_error(res.node_credit["slice_1"], torch.full((5, 2), 2.0, dtype=torch.float64)) <= TOL
 
 
 def test_a_rule_that_runs_a_written_node_apart_is_refused():
@@ -127,7 +123,7 @@ def test_cutting_the_edge_a_write_goes_through_is_refused():
     H.remove_edge("linear_1", "add_")  # what is written, not what it is written into: fine
     res = fxnx.route_credit(H, model, x)
     assert "m.weight" not in res.param_credit
-    assert _rel(res.output, model(x)) <= TOL
+    assert rel_error(res.output, model(x)) <= TOL
 
 
 def test_a_credit_run_that_loses_a_write_is_refused(monkeypatch):
@@ -219,7 +215,7 @@ def test_a_float_without_gradient_is_a_constant(routes, rule):
         _assert_exact(res, G, model, x)
         _, _, gp = _autograd(model, x)
         for name, p in model.named_parameters():
-            assert _rel(p.grad, gp[name]) <= TOL
+            assert rel_error(p.grad, gp[name]) <= TOL
 
 
 def test_feedback_alignment_on_an_exported_first_layer_whose_input_needs_no_credit():
@@ -248,10 +244,10 @@ def test_a_tiny_mixtral_routes_with_a_rule_on_histc():
     out = model(ids).last_hidden_state
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     grads = torch.autograd.grad(out.sum(), [p for _, p in named], allow_unused=True)
-    assert _rel(res.output.last_hidden_state, out) <= 1e-6
+    assert rel_error(res.output.last_hidden_state, out) <= 1e-6
     for (name, p), g in zip(named, grads, strict=True):
         want = torch.zeros_like(p) if g is None else g
-        assert _rel(res.param_credit.get(name, torch.zeros_like(p)), want) <= 1e-5, name
+        assert rel_error(res.param_credit.get(name, torch.zeros_like(p)), want) <= 1e-5, name
     fxnx.CreditRouter(G, model, rules=mine)(ids).last_hidden_state.sum().backward()
 
 
@@ -392,7 +388,7 @@ def test_ssd_detectors_route_exactly(name):
     for key in ("boxes", "scores", "labels"):
         assert torch.allclose(res.output[0][key].to(want[key].dtype), want[key].detach(), rtol=1e-12, atol=0)
     for (n, p), g in zip(named, grads, strict=True):
-        assert _rel(res.param_credit.get(n, torch.zeros_like(p)), torch.zeros_like(p) if g is None else g) <= TOL, n
+        assert rel_error(res.param_credit.get(n, torch.zeros_like(p)), torch.zeros_like(p) if g is None else g) <= TOL, n
 
 
 @pytest.mark.slow

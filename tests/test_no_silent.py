@@ -19,11 +19,9 @@ from torch import nn
 
 import fxnx
 
+from conftest import rel_error
+
 F64 = torch.float64
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def _autograd(model, x, **kwargs):
@@ -62,8 +60,8 @@ def test_stored_concrete_args_never_reach_the_model(tmp_path):
     res = fxnx.route_credit(G, model, x, concrete_args={"scale": 1000.0})
     out, gx, gp = _autograd(model, x, scale=1000.0)
     assert torch.equal(res.output, out)
-    assert _rel(res.node_credit["x"], gx) <= 1e-12
-    assert _rel(res.param_credit["fc.weight"], gp["fc.weight"]) <= 1e-12
+    assert rel_error(res.node_credit["x"], gx) <= 1e-12
+    assert rel_error(res.param_credit["fc.weight"], gp["fc.weight"]) <= 1e-12
 
 
 def test_an_input_the_caller_passes_is_not_overridden_by_a_concrete_arg():
@@ -132,7 +130,7 @@ def test_a_changed_attribute_is_captured_again(change, api):
     change(model)
     want = model(x)
     got = run()
-    assert got.shape == want.shape and _rel(got, want) <= 1e-12
+    assert got.shape == want.shape and rel_error(got, want) <= 1e-12
 
 
 def test_a_forward_patched_after_conversion_is_refused():
@@ -198,7 +196,7 @@ def test_a_hook_added_on_a_traced_through_module_is_captured_again():
     G2 = fxnx.convert(model, x)
     res = fxnx.route_credit(G2, model, x)
     out, gx, _ = _autograd(model, x)
-    assert torch.equal(res.output, out) and _rel(res.node_credit["x"], gx) <= 1e-12
+    assert torch.equal(res.output, out) and rel_error(res.node_credit["x"], gx) <= 1e-12
 
 
 def test_a_global_hook_is_captured_again():
@@ -231,8 +229,8 @@ def test_a_forward_patched_on_the_instance_is_the_one_converted():
     res = fxnx.route_credit(G, model, x)
     out, gx, gp = _autograd(model, x)
     assert torch.equal(res.output, out)
-    assert _rel(res.node_credit["x"], gx) <= 1e-12
-    assert _rel(res.param_credit["block.fc.weight"], gp["block.fc.weight"]) <= 1e-12
+    assert rel_error(res.node_credit["x"], gx) <= 1e-12
+    assert rel_error(res.param_credit["block.fc.weight"], gp["block.fc.weight"]) <= 1e-12
 
 
 # --- 4. another thread running the model while it is captured ---------------------------
@@ -303,8 +301,8 @@ def test_a_complex_output_needs_its_credit_given():
     res = fxnx.route_credit(G, model, x, output_credit=g)
     x_ = x.clone().requires_grad_()
     gx, gw = torch.autograd.grad(model(x_), [x_, model.fc.weight], g)
-    assert _rel(res.node_credit["x"], gx) <= 1e-12
-    assert _rel(res.param_credit["fc.weight"], gw) <= 1e-12
+    assert rel_error(res.node_credit["x"], gx) <= 1e-12
+    assert rel_error(res.param_credit["fc.weight"], gw) <= 1e-12
     with pytest.raises(fxnx.errors.FxnxTypeError, match="credit must be complex for a complex output"):
         fxnx.route_credit(G, model, x, output_credit=g.real)
 
@@ -357,7 +355,7 @@ def test_a_forward_reading_var_keywords_is_captured_by_another_route():
     assert "reads **extra" in G.graph["capture_failures"]["symbolic_trace"]
     res = fxnx.route_credit(G, model, x, kwargs={"scale": 3.0})
     out, gx, _ = _autograd(model, x, scale=3.0)
-    assert torch.equal(res.output, out) and _rel(res.node_credit["x"], gx) <= 1e-12
+    assert torch.equal(res.output, out) and rel_error(res.node_credit["x"], gx) <= 1e-12
 
 
 # --- errors that say what to do --------------------------------------------------------

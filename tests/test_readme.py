@@ -33,6 +33,8 @@ import torchvision
 import fxnx
 from fxnx._cli import main as fxnx_main
 
+from conftest import needs_dot
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\n(?P<code>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -149,6 +151,7 @@ def run_shell(block: Block) -> list[str]:
     return ran
 
 
+@needs_dot
 def test_every_block_of_the_readme_runs_in_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mypackage").mkdir()

@@ -23,11 +23,10 @@ from fxnx import _drawing as dr
 from fxnx._drawing import style as _style
 from fxnx._drawing.view import check_nodes, without_checks
 
-from conftest import assert_graphs_equal
+from conftest import assert_graphs_equal, needs_dot
 from zoo import CASES
 
 GOLDEN = Path(__file__).parent / "golden"
-needs_dot = pytest.mark.skipif(dr.graphviz.shutil.which("dot") is None, reason="Graphviz dot not installed")
 
 
 def _zoo(name):

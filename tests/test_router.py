@@ -10,6 +10,8 @@ from torch import nn
 
 import fxnx
 
+from conftest import rel_error
+
 
 class _Net(nn.Module):
     """Conv, train-mode BatchNorm, in-place ReLU, a skip connection, a frozen-free head."""
@@ -46,10 +48,6 @@ def _train(model, forward, backward, batches):
         opt.step()
 
 
-def _rel(a, b):
-    return float((a - b).norm()) / max(float(b.norm()), 1e-300)
-
-
 def test_exact_training_equals_autograd_training():
     torch.manual_seed(0)
     ours = _Net().double().train()
@@ -62,8 +60,8 @@ def test_exact_training_equals_autograd_training():
     torch.manual_seed(0)
     start = _Net().double()  # the initial values: the training must have moved the weights
     for (name, p), q, p0 in zip(ours.named_parameters(), theirs.parameters(), start.parameters(), strict=True):
-        assert _rel(p.detach(), q.detach()) <= 1e-10, name
-        moved = max(moved, _rel(p.detach(), p0.detach()))
+        assert rel_error(p.detach(), q.detach()) <= 1e-10, name
+        moved = max(moved, rel_error(p.detach(), p0.detach()))
     assert moved > 1e-2
     for (name, b), c in zip(ours.named_buffers(), theirs.buffers(), strict=True):
         assert torch.equal(b, c), name  # running statistics updated as model(x) updates them
@@ -104,7 +102,7 @@ def test_grad_accumulates_and_frozen_parameters_stay_untouched():
     assert "conv.weight" not in res.param_credit
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         if p.requires_grad:
-            assert _rel(p.grad, q.grad) <= 1e-12, name
+            assert rel_error(p.grad, q.grad) <= 1e-12, name
     # The last backward's own credit is in the result; .grad holds the sum.
     assert not torch.equal(res.param_credit["head.bias"], model.head.bias.grad)
 
@@ -154,7 +152,7 @@ def test_output_credit_instead_of_a_loss():
     res = router.backward(output_credit=credit, node_credit=True)
     ref(x).backward(credit)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        assert _rel(p.grad, q.grad) <= 1e-12, name
+        assert rel_error(p.grad, q.grad) <= 1e-12, name
     assert torch.equal(res.node_credit["output"], credit)
 
 

@@ -16,8 +16,9 @@ import torchvision
 from torch import nn
 
 import fxnx
+import fxnx._convert
 
-from conftest import assert_graph_plain, assert_graphs_equal
+from conftest import assert_graph_plain, assert_graphs_equal, needs_dot
 
 
 class Gate(nn.Module):
@@ -216,6 +217,7 @@ def test_the_make_fx_route_runs_fake_tensors_when_asked():
 
 
 @pytest.mark.slow
+@needs_dot
 def test_a_torchvision_detection_model_converts_through_the_ladder(tmp_path):
     torch.manual_seed(0)
     model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(

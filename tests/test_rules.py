@@ -10,6 +10,8 @@ from torch import nn
 
 import fxnx
 
+from conftest import rel_error
+
 f64 = torch.float64
 
 
@@ -200,19 +202,15 @@ def test_feedback_alignment_inside_attention():
     assert torch.allclose(fa.param_credit["attn.out_proj.weight"],
                           exact_below_head.param_credit["attn.out_proj.weight"], rtol=1e-10, atol=1e-14)
     # ... while the credit crossing the attention differs from the exact one.
-    assert _rel(fa.node_credit["x"], exact_below_head.node_credit["x"]) > 0.1
+    assert rel_error(fa.node_credit["x"], exact_below_head.node_credit["x"]) > 0.1
     # With B = W throughout, the recomputed attention gives autograd's credit exactly.
     same = {"head": model.head.weight.detach(),
             "attn": {"in_proj_weight": model.attn.in_proj_weight.detach(),
                      "out_proj.weight": model.attn.out_proj.weight.detach()}}
     mirror = fxnx.route_credit(G, model, x, mask, rule="feedback_alignment", feedback=same, output_credit=e)
-    assert _rel(mirror.node_credit["x"], want_x) <= 1e-10
+    assert rel_error(mirror.node_credit["x"], want_x) <= 1e-10
     for name, g in want.items():
-        assert _rel(mirror.param_credit[name], g) <= 1e-10, name
-
-
-def _rel(a, b):
-    return float((a - b).norm()) / float(b.norm())
+        assert rel_error(mirror.param_credit[name], g) <= 1e-10, name
 
 
 def test_attention_built_from_linear_layers_uses_feedback_weights():

@@ -19,6 +19,7 @@ from torch import nn
 from torchvision.models.googlenet import Inception  # tv.googlenet is the builder
 
 import fxnx
+import fxnx._analysis
 from fxnx.errors import FxnxValueError
 
 tv = torchvision.models

@@ -10,22 +10,16 @@ import torch
 
 import fxnx
 
+from conftest import reinit
+
 timm = pytest.importorskip("timm")
-
-
-def _reinit(model: torch.nn.Module) -> torch.nn.Module:
-    """Give zero-initialised parameters values, so credit through them is not vacuous."""
-    for p in model.parameters():
-        if not p.abs().sum():
-            torch.nn.init.uniform_(p, -0.5, 0.5)
-    return model
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("name", ["mobilenetv3_small_050", "efficientnet_b0"])
 def test_batchnormact_models_route_exact_credit(name, mode):
     torch.manual_seed(0)
-    model = getattr(_reinit(timm.create_model(name, pretrained=False, num_classes=5)).double(), mode)()
+    model = getattr(reinit(timm.create_model(name, pretrained=False, num_classes=5)).double(), mode)()
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     stats = {k: v.clone() for k, v in model.state_dict().items()}
     G = fxnx.convert(model, x)  # tracing runs num_batches_tracked.add_(1) on the real buffer

@@ -39,6 +39,8 @@ import fxnx
 import fxnx._drawing.draw
 from fxnx import _drawing as dr
 
+from conftest import needs_dot, rel_error
+
 pytestmark = pytest.mark.slow
 
 #: Relative errors allowed on outputs and on credit, by the dtype the checks run in (float32
@@ -79,12 +81,6 @@ def _param(name: str) -> Any:
     return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason, raises=raises))
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    scale = float(want.norm())
-    return float((got - want).norm()) / scale if scale else float(got.norm())
-
-
 def _leaves(value: Any) -> list[Any]:
     """The leaves of a model's output; Hugging Face's ModelOutput as the dict it is."""
     if hasattr(value, "to_tuple") and hasattr(value, "keys"):
@@ -110,7 +106,7 @@ def _compare(got: Any, want: Any, tol: float) -> str | None:
         elif not b.is_floating_point():
             if not torch.equal(a, b):
                 return f"leaf {i}: integer values differ"
-        elif (err := _rel(a, b)) > tol:
+        elif (err := rel_error(a, b)) > tol:
             return f"leaf {i}: relative error {err:.3g} > {tol:g}"
     return None
 
@@ -177,7 +173,7 @@ def _check_credit(entry: zoo88.Entry, G, model, args, kwargs) -> dict[str, Any]:
                 raise CreditWrong(f"no credit for {name}, which autograd gives {float(want.norm()):.3g}")
             continue
         nonzero += bool(want.any())
-        if (err := _rel(got, want)) > CREDIT_TOL[dtype]:
+        if (err := rel_error(got, want)) > CREDIT_TOL[dtype]:
             raise CreditWrong(f"credit of {name}: relative error {err:.3g} > {CREDIT_TOL[dtype]:g}")
         worst = max(worst, err)
     if not nonzero:
@@ -298,6 +294,7 @@ def one_thread():
 
 
 @pytest.mark.parametrize("name", [_param(name) for name in zoo88.ZOO])
+@needs_dot
 def test_zoo_model(name, tmp_path, one_thread):
     entry = zoo88.ZOO[name]
     _, failed = check(entry, tmp_path)  # ConvertFailed: an xfail on "convert" expects it

@@ -15,6 +15,8 @@ from torch import nn
 
 import fxnx
 
+from conftest import reinit
+
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
 
@@ -88,13 +90,6 @@ def _graph_calls(G, kinds):
     return counts
 
 
-def _reinit(model):
-    for p in model.parameters():
-        if not p.abs().sum():
-            torch.nn.init.uniform_(p, -0.5, 0.5)
-    return model
-
-
 def _check_credit(G, model, args, kwargs):
     """route_credit equals autograd on every parameter (float64, relative 1e-12)."""
     res = fxnx.route_credit(G, model, *args, kwargs=kwargs)
@@ -118,7 +113,7 @@ def test_timm_family(family):
     x = torch.randn(1, 3, size, size)
     credit = family in ("resnet", "vit")
     if credit:
-        model, x = _reinit(model).double(), x.double()
+        model, x = reinit(model).double(), x.double()
     G = fxnx.convert(model, x)
     fxnx.validate(G)
     kinds = (nn.Conv2d, nn.Linear)
@@ -136,7 +131,7 @@ def test_hugging_face_architecture(name):
     model = transformers.AutoModel.from_config(_hf_config(name)).eval()
     credit = name in ("roberta", "mistral")  # the others' credit is checked in test_transformers.py
     if credit:
-        model = _reinit(model).double()
+        model = reinit(model).double()
     ids = torch.randint(2, 50, (2, 6))
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, 4:] = 0

@@ -117,7 +117,7 @@ def structure(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
     >>> before == structure([net])
     False
     """
-    key = []
+    key: list[tuple[Any, ...]] = []
     for m in modules:
         own = vars(m)
         for table in _REGISTERED:

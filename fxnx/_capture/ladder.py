@@ -57,8 +57,8 @@ class Capture:
     gm : torch.fx.GraphModule
         The graph module. When ``propagated`` is true every node that produced
         tensors has ``meta["tensor_meta"]`` and every node has ``meta["type"]``.
-    model : nn.Module or callable
-        What the user passed in.
+    model : nn.Module or callable, or None
+        What the user passed in (None in a capture kept for reuse, which must not hold it).
     options : CaptureOptions
         The options asked for, with the route that made the graph and the
         submodules it kept whole: enough to capture the same graph again.
@@ -91,7 +91,7 @@ class Capture:
     """
 
     gm: fx.GraphModule
-    model: nn.Module | Callable[..., Any]
+    model: nn.Module | Callable[..., Any] | None
     options: CaptureOptions
     propagated: bool
     inputs: list[Any] | None = None
@@ -266,6 +266,7 @@ def _capture(
     if options.level != "module":
         return _capture_aten(model, inputs, options, fake)
     varies, propagation = "", None
+    failures: list[tuple[str, str]]
     if isinstance(model, fx.GraphModule):
         gm, failures = copy_graph_module(model), []
         options, level, aten, specialised = options.captured("graph_module", ()), "module", None, False
@@ -383,8 +384,8 @@ def _ladder(
     if len(errors) == 1:
         raise errors[0]
     lines = [f"no capture route worked for {qualname(model)}:"]
-    for (route_name, _), err in zip(failures, errors, strict=True):
-        detail = str(err).splitlines()
+    for (route_name, _), error in zip(failures, errors, strict=True):
+        detail = str(error).splitlines()
         lines.append(f"- {route_name}: " + "\n    ".join(line[:400] for line in detail[:4]))
     lines.append(
         "What to do: pass leaf_on_failure=True (or leaf_modules=[...]) to keep the failing "

@@ -181,10 +181,11 @@ def reads_random_values(gm: fx.GraphModule) -> str:
         drawn_from[n] = n if n in random_ops else next(
             (drawn_from[a] for a in n.all_input_nodes if drawn_from.get(a) is not None), None
         )
-        if n.target in VALUE_READS and drawn_from[n] is not None:
+        source = drawn_from[n]
+        if n.target in VALUE_READS and source is not None:
             return (
                 f"its control flow read a value drawn at random (node {n.name!r} reads a value "
-                f"of {drawn_from[n].name!r}), such as skipping a layer at random in training "
+                f"of {source.name!r}), such as skipping a layer at random in training "
                 "mode, so the graph holds the branch of that one draw and each call may run "
                 "another graph"
             )
@@ -293,6 +294,7 @@ class _OpenAnnotations:
 def _module_stacks(model: nn.Module) -> Iterator[None]:
     """Annotate every node with the module call stack active when it was recorded."""
     stack: list[str] = []
+    annotations: _OpenAnnotations  # the hooks' (declared: mypy took the __future__ import's name)
 
     def enter(path: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -322,6 +324,7 @@ def _backward_provenance(outputs: list[torch.Tensor]) -> Iterator[None]:
     the engine adds between nodes (summing the gradients of a tensor used
     twice) carry no tag.
     """
+    annotations: _OpenAnnotations  # the hooks' (declared: mypy took the __future__ import's name)
 
     def before(seq: int) -> Any:
         return lambda grads: annotations.open({_GRAD_FN: seq})

@@ -119,9 +119,9 @@ def _callers(stored: CaptureOptions, given: tuple[tuple[str, Any], ...]) -> tupl
 
 def placeholders_for(
     cap: Capture, model: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *, copy: bool = True
-) -> list[Any]:
+) -> list[Any] | None:
     """The values of ``cap``'s placeholders for a call of ``model`` with these inputs (the
-    tensors copied, unless ``copy`` is false)."""
+    tensors copied, unless ``copy`` is false); None where the inputs do not bind."""
     inputs = bind_inputs(model, args, kwargs, dict(cap.options.concrete_args), copy=copy)
     return placeholder_values(inputs, cap.gm, cap.level)
 

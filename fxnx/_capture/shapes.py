@@ -10,7 +10,7 @@ converter reads one kind of metadata whatever captured the graph.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -138,7 +138,7 @@ def runtime_check(n: fx.Node) -> bool:
 def _target_str(node: fx.Node) -> str:
     if node.op == "call_module":
         try:
-            mod = node.graph.owning_module.get_submodule(node.target)  # type: ignore[union-attr]
+            mod = node.graph.owning_module.get_submodule(cast(str, node.target))  # type: ignore[union-attr]
         except AttributeError:  # the graph calls a submodule its module lacks
             return f"{node.target} (missing)"
         return f"{node.target} ({type(mod).__qualname__})"
@@ -214,11 +214,13 @@ def _record(node: fx.Node, value: Any) -> None:
 def _metadata_of(tensor: torch.Tensor) -> TensorMetadata:
     if all(type(d) is int for d in tensor.shape):
         return extract_tensor_metadata(tensor)
-    shape = tuple(_concrete(d) for d in tensor.shape)  # symbolic sizes from a tracer
+    # symbolic sizes from a tracer, as strings: not the torch.Size TensorMetadata declares
+    shape: Any = tuple(_concrete(d) for d in tensor.shape)
     try:
         return extract_tensor_metadata(tensor)._replace(shape=shape)
     except Exception:  # strides of data-dependent sizes cannot be evaluated
-        return TensorMetadata(shape, tensor.dtype, tensor.requires_grad, None, None, False, {})
+        no_stride: Any = None  # TensorMetadata declares a tuple
+        return TensorMetadata(shape, tensor.dtype, tensor.requires_grad, no_stride, None, False, {})
 
 
 def _concrete(dim: Any) -> int | str:

@@ -86,7 +86,7 @@ class _Answering(fx.Proxy):
         count = _unpacked_at(caller.f_code).get(caller.f_lasti) if caller is not None else None
         if count is None:
             return self.tracer.iter(self)
-        return (self[i] for i in range(count))
+        return (self[i] for i in range(count))  # type: ignore[index]  # torch.fx adds Proxy.__getitem__ at runtime; its stubs lack it
 
     def __getattr__(self, k: str) -> fx.proxy.Attribute:
         return _Attribute(self, k)

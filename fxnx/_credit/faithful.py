@@ -108,6 +108,7 @@ class _Run(fx.Interpreter):
         except Exception as err:
             raise node_failure("the credit run's forward pass", n, args, kwargs, err) from err
         changed = {k for k, before in watched.items() if version(self.held[k]) != before}
+        k: int | None  # a storage: every one changed, then each of the value's (or None)
         if changed:
             victims: list[fx.Node] = []
             for k in changed:
@@ -178,8 +179,9 @@ def differs(got: Any, want: Any) -> str | None:
             return f"{where} has infinities in other places"
         x, y = x.masked_fill(x.isinf(), 0), y.masked_fill(y.isinf(), 0)
         eps = torch.finfo(x.real.dtype if x.is_complex() else x.dtype).eps
-        scale = float(torch.linalg.vector_norm(y.double() if not y.is_complex() else y.cdouble()))
-        error = float(torch.linalg.vector_norm((x - y).double() if not x.is_complex() else (x - y).cdouble()))
+        # Tensor.cdouble exists; torch's stubs lack it
+        scale = float(torch.linalg.vector_norm(y.double() if not y.is_complex() else y.cdouble()))  # type: ignore[attr-defined]
+        error = float(torch.linalg.vector_norm((x - y).double() if not x.is_complex() else (x - y).cdouble()))  # type: ignore[attr-defined]
         if error > min(1e3 * eps, 1e-2) * scale + 1e-30:
             return f"{where} differs by {error / scale if scale else error:.3g} (relative norm)"
     return None

@@ -27,7 +27,7 @@ import math
 import numbers
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,10 @@ LAWS = ("xavier", "kaiming")
 MAX_BYTES = 1 << 30
 
 
+@overload
+def check_seed(seed: Any, where: str, *, optional: Literal[False] = False) -> int: ...
+@overload
+def check_seed(seed: Any, where: str, *, optional: bool) -> int | None: ...
 def check_seed(seed: Any, where: str, *, optional: bool = False) -> int | None:
     """``seed`` as an int (NumPy integers too); None passes where ``optional``."""
     if seed is None and optional:

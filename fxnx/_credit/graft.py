@@ -43,12 +43,11 @@ import dataclasses
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._callinfo import fetch_attr
 from .._capture.shapes import node_failure
@@ -56,28 +55,16 @@ from .._compat import pytree, version
 from .._errors import FxnxTypeError, FxnxValueError
 from .faithful import Probe, differs
 from .feedback import check_bytes, readable
+from .kinds import NATIVE_FUNCTIONS, WEIGHTED_MODULES
 from .nodecall import Credit, NodeCall, fresh_leaf, run_node, runs_out_of_place
 from .plan import Entry, Plan
 from .rules import DirectFeedbackAlignment, Exact, RoutingState, SignSymmetry, Transport
-from .transport import CONTAINERS, feedback_weights
+from .transport import feedback_weights
 
 __all__ = ["Graft", "graft"]
 
 _aten = torch.ops.aten
 
-#: Node kinds whose backward reads their weights only to send credit to their other inputs,
-#: so that swapping each saved weight for ``B`` is exactly weight transport: linear layers,
-#: convolutions, and attention and transformer layers, whose weights enter only through
-#: ``F.linear`` (with gradients on, torch runs their Python path, never a fused kernel).
-_NATIVE_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, *CONTAINERS)
-_NATIVE_FUNCTIONS = frozenset({
-    F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
-    F.conv_transpose3d, torch.addmm, torch.mm, torch.matmul, operator.matmul,
-    _aten.linear.default, _aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default,
-    _aten.conv1d.padding, _aten.conv2d.padding, _aten.conv3d.padding,
-    _aten.convolution.default, _aten.conv_transpose1d.default, _aten.conv_transpose2d.input,
-    _aten.conv_transpose3d.input, _aten.addmm.default, _aten.mm.default, _aten.matmul.default,
-})
 
 
 @dataclasses.dataclass
@@ -113,6 +100,7 @@ class Graft:
     def _check(self, result: Any) -> None:
         """The first run's output against the captured graph's (:mod:`.faithful`)."""
         expect, self.expect = self.expect, None
+        assert expect is not None  # the caller checks
         problem = differs(result, expect.output)
         if problem is not None:
             raise FxnxValueError(
@@ -124,7 +112,8 @@ class Graft:
 
     def placeholders(self, inputs: Sequence[Any]) -> list[Any]:
         """One value per placeholder of ``gm``, from the capture's placeholder values."""
-        values, feed = [], iter(inputs)
+        values: list[Any] = []
+        feed = iter(inputs)
         for kind, node in zip(self.starred, self.gm.graph.find_nodes(op="placeholder"), strict=True):
             if kind == "*":
                 values.append(tuple(feed))
@@ -167,9 +156,9 @@ def tier(entry: Entry) -> str:
 
 def _native(call: NodeCall) -> bool:
     if call.module is not None:
-        return type(call.module) in _NATIVE_MODULES
+        return type(call.module) in WEIGHTED_MODULES
     try:
-        return call.op == "call_function" and call.target in _NATIVE_FUNCTIONS
+        return call.op == "call_function" and call.target in NATIVE_FUNCTIONS
     except TypeError:  # an unhashable callable
         return False
 
@@ -242,7 +231,7 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             collect_value(node.name, env[node])
             continue
         if node.op == "get_attr":
-            root[node.target] = fetch_attr(gm, node.target)  # type: ignore[arg-type]
+            root[cast(str, node.target)] = fetch_attr(gm, node.target)  # type: ignore[arg-type]
             env[node] = graph.get_attr(node.target)  # type: ignore[arg-type]
             if collect and entry.param is not None:  # its own credit, apart from other readers
                 env[node] = graph.call_function(_alias, (env[node],))
@@ -268,7 +257,7 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             graph.output((out, tuple(collected)) if collect else out)
             continue
         if node.op == "call_module":
-            root[node.target] = gm.get_submodule(node.target)  # type: ignore[arg-type]
+            root[cast(str, node.target)] = gm.get_submodule(node.target)  # type: ignore[arg-type]
         if kind == "native":
             value = graph.call_function(
                 _native_call, (constant("native", _NativeSpec(entry)), *args), kwargs
@@ -647,7 +636,7 @@ def _wants(value: Any) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
 
 
-def checked(call: NodeCall, routed: Any, name: str) -> tuple[list[Credit], dict[str, Tensor]]:
+def checked(call: NodeCall, routed: Any, name: str) -> tuple[list[Credit], dict[str, Tensor | None]]:
     """What a rule returned, checked against its node: one credit per input occurrence, each
     like that input (its shape; floating dtypes cast to the input's, as autograd casts), and
     credit only for the node's own parameters, each of its parameter's shape."""

@@ -38,6 +38,12 @@ __all__ = ["KolenPollack", "WeightMirror"]
 class _Learned(FeedbackAlignment):
     """Feedback alignment whose ``B`` (laid out like ``W``, updated in place) learns."""
 
+    # set on the bound copy by bind
+    _call: NodeCall
+    _updates: int
+    _versions: dict[str, int]
+    _warned: bool
+
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         bound = super().bind(call, seed, feedback)
         if not isinstance(bound, _Learned):  # a weightless node: routed exactly
@@ -129,6 +135,8 @@ class WeightMirror(_Learned):
     """
 
     name = "weight_mirror"
+
+    _noise: torch.Generator  # set on the bound copy by bind
 
     def __init__(
         self, rate: float = 0.1, noise: float = 1.0, batch: int = 64, seed: int | None = None, *,

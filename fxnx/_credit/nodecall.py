@@ -202,7 +202,7 @@ def run_node(node: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) ->
             # An in-place write we could not see coming (inside a custom leaf module): the
             # caller runs a node here only where no later node reads what it writes.
             return call_target(op, target, module, _clone_tensors(args), _clone_tensors(kwargs))
-    if twin is not None and isinstance(out, Tensor) and out.dtype != first.dtype:
+    if twin is not None and isinstance(first, Tensor) and isinstance(out, Tensor) and out.dtype != first.dtype:
         out = out.to(first.dtype)  # an in-place op keeps its tensor's dtype; its twin promotes
     return out
 
@@ -294,7 +294,7 @@ def runs_out_of_place(node: fx.Node) -> bool:
 def _writes_first_argument(target: Any) -> bool:
     """An ATen overload whose schema marks its first argument written (``aten.add_``)."""
     schema = op_schema(target) if isinstance(target, OpOverload) else None
-    arguments = getattr(schema, "arguments", None)
+    arguments: Any = getattr(schema, "arguments", None)
     return bool(arguments) and bool(getattr(arguments[0], "is_write", False))
 
 

@@ -68,7 +68,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
         module = gm.get_submodule(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
         _, names = bind_call(node, gm)
         occ = list(occurrences(node, names))
-        params = {}
+        params: dict[str, Tensor] = {}
         if module is not None:
             params = {
                 param_names.get(id(p), f"{node.target}.{n}"): p
@@ -97,7 +97,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
         entry.cut = frozenset(k for k in range(len(call.sources)) if k not in matched)
         if call.op != "output":
             entry.rule, entry.rule_name = choose(call)
-    params: dict[str, Tensor] = {}
+    params = {}
     for entry in entries.values():
         params.update(entry.call.params)
         if entry.param is not None:

@@ -15,20 +15,17 @@ dict) passed as ``rule=``.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .._errors import FxnxValueError
+from .kinds import WEIGHTED_FUNCTIONS, WEIGHTED_MODULES
 from .learned import KolenPollack, WeightMirror
 from .nodecall import NodeCall
 from .rules import DirectFeedbackAlignment, FeedbackAlignment, Rule, SignSymmetry
-from .transport import CONTAINERS
 
 __all__ = ["PRESETS", "Preset", "method"]
 
@@ -135,31 +132,15 @@ def lookup(call: NodeCall, table: Mapping[Any, Rule]) -> Rule | None:
     return None
 
 
-#: The layers whose weight carries credit back to their input, and the torch.nn modules a
-#: symbolic trace keeps whole that hold such layers (nn.TransformerEncoder).
-_WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, *CONTAINERS)
-
 _aten = torch.ops.aten
 
-#: The functions that multiply an input by a weight: as a symbolic trace records them
-#: (``F.linear(x, self.weight)``, ``x @ self.W``) and as ``torch.export`` does. A node of
-#: these kinds follows the feedback rule where one of its arguments is a trainable parameter
-#: of two or more dimensions (each such parameter gets its own ``B``), and is routed exactly
-#: where none is (``q @ k.transpose(-2, -1)`` in attention).
-_WEIGHTED_FUNCTIONS = (
-    F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
-    F.conv_transpose3d, torch.addmm, torch.baddbmm, torch.bmm, torch.einsum, torch.matmul,
-    torch.mm, operator.matmul,
-    _aten.linear.default, _aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default,
-    _aten.conv1d.padding, _aten.conv2d.padding, _aten.conv3d.padding, _aten.convolution.default,
-    _aten.conv_transpose1d.default, _aten.conv_transpose2d.input, _aten.conv_transpose3d.input,
-    _aten.addmm.default, _aten.baddbmm.default, _aten.bmm.default, _aten.einsum.default,
-    _aten.matmul.default, _aten.mm.default,
-)
+#: A node of these kinds (:mod:`.kinds`) follows the feedback rule where one of its
+#: arguments is a trainable parameter of two or more dimensions (each such parameter gets its
+#: own ``B``), and is routed exactly where none is (``q @ k.transpose(-2, -1)`` in attention).
 
 
 def _every(rule: Rule) -> dict[Any, Rule]:
-    return dict.fromkeys((*_WEIGHTED, *_WEIGHTED_FUNCTIONS), rule)
+    return dict.fromkeys((*WEIGHTED_MODULES, *WEIGHTED_FUNCTIONS), rule)
 
 
 #: The built-in presets, by the name ``rule=`` takes. Read-only: make your own with ``|``.

@@ -7,7 +7,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import networkx as nx
 import torch
@@ -182,7 +182,7 @@ class CreditRouter(nn.Module):
         self.node_credit = bool(node_credit)
         self._given = dict(feedback or {})
         # G carries the options it was captured with; these, when given, replace them.
-        self._capture = {"leaf_modules": leaf_modules, "concrete_args": concrete_args}
+        self._capture: dict[str, Any] = {"leaf_modules": leaf_modules, "concrete_args": concrete_args}
         self._plans: dict[int, Plan] = {}
         self._grafts: dict[tuple[int, bool], Graft] = {}
         self._bound: dict[tuple[str, int, int], Any] = {}
@@ -354,6 +354,7 @@ class CreditRouter(nn.Module):
                 continue
             W = feedback_weights(entry.call)
             w, b = flat([W[p] for p in B]), flat(list(B.values()))
+            assert w is not None and b is not None  # B is not empty: both hold tensors
             _, angle = cosine_angle(w, b)
             out[entry.call.name] = {"angle": angle, "norm_ratio": float(b.norm() / w.norm())}
         return out
@@ -395,6 +396,7 @@ class CreditRouter(nn.Module):
         live). Otherwise the model's whole structure is keyed again
         (:func:`~fxnx._capture.reuse.recapture`), capturing again where it changed.
         """
+        run: Graft | None
         fast = self._fast.get(collect)
         if fast is not None:
             guard, run, cap = fast
@@ -403,7 +405,8 @@ class CreditRouter(nn.Module):
                     return run, []
                 if not collect and not kwargs and self._positional:
                     return run, list(inputs)
-                return run, placeholders_for(cap, self.model, inputs, kwargs, copy=collect)
+                # not None: the guard holds, so these inputs bind as the last ones did
+                return run, cast(list[Any], placeholders_for(cap, self.model, inputs, kwargs, copy=collect))
         cap = recapture(self.G, self.model, inputs, kwargs, **self._capture)
         if cap.varies:
             raise FxnxValueError(
@@ -580,11 +583,11 @@ def routed(
     got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
     param_credit = {n: g for n, g in zip(params, got, strict=False) if g is not None}
     node_credit: dict[str, Any] = {}
-    for name, tree, index in places:
+    for name, tree, at in places:
         if tree is None:
-            node_credit[name] = None if index is None else got[index]
+            node_credit[name] = None if at is None else got[at]
             continue
-        parts = [None if i is None else got[i] for i in index]
+        parts = [None if i is None else got[i] for i in at]
         node_credit[name] = None if all(p is None for p in parts) else pytree.tree_unflatten(parts, tree)
     return node_credit, param_credit
 

@@ -43,7 +43,7 @@ from .._compat import pytree
 from .._errors import FxnxTypeError, FxnxValueError
 from . import feedback as fb
 from .nodecall import Credit, NodeCall
-from .spatial import conv_geometry
+from .spatial import Geometry, conv_geometry
 from .transport import exact_parameters, feedback_weights, has_weights, transported
 
 __all__ = [
@@ -248,6 +248,9 @@ class FeedbackAlignment(_Drawn, Transport):
 
     name = "feedback_alignment"
 
+    # set on the bound copy by bind
+    _weights: dict[str, Tensor]
+
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         if _weightless(call):
             return Exact().bind(call, seed, feedback)
@@ -303,6 +306,12 @@ class SignSymmetry(_Drawn, Transport):
 
     laws = (*fb.LAWS, "unit")
 
+    # set on the bound copy by bind
+    _seed: int
+    _draws: int
+    _pending: dict[str, Tensor] | None
+    _magnitudes: Mapping[str, Tensor | float] | None
+
     def __init__(
         self, magnitude: Literal["uniform", "batch_random", "fixed_random"] = "uniform",
         seed: int | None = None, *, init: str = "xavier", max_bytes: float | None = fb.MAX_BYTES,
@@ -343,11 +352,12 @@ class SignSymmetry(_Drawn, Transport):
                 )
             bound._magnitudes = {p: 1.0 if self.init == "unit" else fb.std(self.init, W.shape) for p, W in weights.items()}
         elif self.magnitude == "fixed_random":
-            bound._magnitudes = (
+            fixed = (
                 _given(call, weights, feedback) if feedback is not None
                 else {p: bound._draw(call, bound._seed, _key(call, p), W.shape, W).abs_() for p, W in weights.items()}
             )
-            bound.feedback = _public(bound._magnitudes)
+            bound._magnitudes = fixed
+            bound.feedback = _public(fixed)
         elif feedback is not None:
             # The magnitudes of one step (CreditRouter.feedback after it), to route that step
             # again; later steps draw afresh.
@@ -358,7 +368,7 @@ class SignSymmetry(_Drawn, Transport):
         magnitudes = self.magnitudes(call)
         return {p: W.detach().sign().mul_(magnitudes[p]) for p, W in feedback_weights(call).items()}
 
-    def magnitudes(self, call: NodeCall) -> dict[str, Tensor | float]:
+    def magnitudes(self, call: NodeCall) -> Mapping[str, Tensor | float]:
         """``M`` for each weight, for one backward pass: brSF draws afresh at each call.
 
         The router makes ``sign(W)·M`` from them only in the backward pass, as each layer's
@@ -366,12 +376,14 @@ class SignSymmetry(_Drawn, Transport):
         """
         if self.magnitude == "batch_random":
             self._draws += 1
-            self._magnitudes = self._pending or {
+            drawn = self._pending or {
                 p: self._draw(call, self._seed, f"{_key(call, p)}@{self._draws}", W.shape, W).abs_()
                 for p, W in feedback_weights(call).items()
             }
+            self._magnitudes = drawn
             self._pending = None
-            self.feedback = _public(self._magnitudes)
+            self.feedback = _public(drawn)
+        assert self._magnitudes is not None  # set by bind (uSF, frSF) or just above (brSF)
         return self._magnitudes
 
     def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
@@ -432,6 +444,11 @@ class DirectFeedbackAlignment(_Drawn):
 
     name = "direct_feedback_alignment"
 
+    # set on the bound copy by bind
+    _seed: int
+    _B: list[Tensor | None]
+    _geometry: Geometry | None
+
     def __init__(
         self, seed: int | None = None, *, init: str = "xavier", spatial: bool = True,
         max_bytes: float | None = fb.MAX_BYTES,
@@ -482,6 +499,7 @@ class DirectFeedbackAlignment(_Drawn):
     def feedback_shape(self, i: int, d: int, shape: Sequence[int]) -> tuple[int, ...]:
         """The shape of ``B`` for input ``i`` of shape ``shape``, with ``d`` output features."""
         if self._spatial(i):
+            assert self._geometry is not None  # _spatial(i) holds only with a geometry
             return (d, shape[1], *self._geometry.kernel)
         return (d, *shape[1:])
 
@@ -498,6 +516,7 @@ class DirectFeedbackAlignment(_Drawn):
         B = self.projection(call, i, e, shape, dtype)
         if self._spatial(i):
             geometry = self._geometry
+            assert geometry is not None  # _spatial(i) holds only with a geometry
             return lambda e: geometry.credit(e.to(B.dtype), B, shape).to(dtype)
         matrix = B.reshape(e.shape[1], -1)
         if B.dtype == e.dtype == dtype:

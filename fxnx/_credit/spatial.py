@@ -21,8 +21,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch import Tensor, nn
+import torch.nn.grad  # declares the submodule to type checkers; torch.nn imports it already
+from torch import Tensor
 
+from .kinds import CONVOLUTIONS
 from .nodecall import NodeCall
 
 __all__ = ["Geometry", "conv_geometry"]
@@ -78,7 +80,7 @@ def conv_geometry(call: NodeCall) -> Geometry | None:
     """``call``'s convolution geometry when its node is an ordinary (not transposed)
     convolution whose weight and geometry are known, else None."""
     module = call.module
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+    if isinstance(module, CONVOLUTIONS):
         return Geometry(
             tuple(module.kernel_size), tuple(module.stride),
             module.padding if isinstance(module.padding, str) else tuple(module.padding),

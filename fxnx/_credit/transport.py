@@ -30,28 +30,21 @@ from torch import Tensor, nn
 
 from .._compat import pytree
 from .._errors import FxnxTypeError, FxnxValueError
+from .kinds import CONTAINERS, LAYERS, WEIGHTED_MODULES
 from .nodecall import Credit, NodeCall, call_target, pairs
 
 __all__ = ["attention", "exact_parameters", "feedback_weights", "has_weights", "transported"]
 
-_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-#: torch.nn modules that torch.fx keeps whole (every ``torch.nn`` module is a leaf of a
-#: symbolic trace) and that hold linear layers and attention: feedback weights replace theirs.
-CONTAINERS = (
-    nn.Transformer, nn.TransformerDecoder, nn.TransformerDecoderLayer, nn.TransformerEncoder,
-    nn.TransformerEncoderLayer,
-)
 
 
 def feedback_weights(call: NodeCall) -> dict[str, Tensor]:
     """The weights of ``call``'s layer that feedback weights replace, by parameter name."""
     module = call.module
-    if isinstance(module, _LAYERS):
+    if isinstance(module, LAYERS):
         return {"weight": module.weight}
     if isinstance(module, nn.MultiheadAttention):
         if module.in_proj_weight is not None:  # one packed weight when q, k, v sizes agree
-            weights = {"in_proj_weight": module.in_proj_weight}
+            weights: dict[str, Tensor] = {"in_proj_weight": module.in_proj_weight}
         else:
             weights = {n: getattr(module, n) for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight")}
         return {**weights, "out_proj.weight": module.out_proj.weight}
@@ -73,7 +66,7 @@ def feedback_weights(call: NodeCall) -> dict[str, Tensor]:
 
 def has_weights(call: NodeCall) -> bool:
     """Whether ``call``'s node has a weight that feedback weights can replace."""
-    if isinstance(call.module, (*_LAYERS, nn.MultiheadAttention, *CONTAINERS)):
+    if isinstance(call.module, WEIGHTED_MODULES):
         return True
     return bool(_other_weights(call))
 
@@ -102,7 +95,7 @@ def transported(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[l
         return _attention_credit(call, credit, B)
     if isinstance(call.module, CONTAINERS):
         return _container_credit(call, credit, B)
-    if not isinstance(call.module, _LAYERS):
+    if not isinstance(call.module, LAYERS):
         return _recomputed_credit(call, credit, B)
     _, param_credit = call.exact(credit, inputs=False)
     inputs: list[Credit] = [None] * len(call.inputs)
@@ -155,10 +148,10 @@ def _refuse_dropout(call: NodeCall, module: nn.Module) -> None:
         )
 
 
-def _inner_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def _inner_layers(module: nn.Module) -> list[tuple[str, nn.MultiheadAttention | nn.Linear]]:
     """The linear layers and attention modules inside ``module``, outermost only (not the
     ``out_proj`` inside an attention)."""
-    found: list[tuple[str, nn.Module]] = []
+    found: list[tuple[str, nn.MultiheadAttention | nn.Linear]] = []
     for path, sub in module.named_modules():
         if any(path.startswith(p + ".") for p, _ in found):
             continue
@@ -219,7 +212,7 @@ def _input_credit(module: Any, x: Tensor, credit: Tensor, B: Tensor) -> Tensor:
     if isinstance(module.padding, str) or module.padding_mode != "zeros":
         # Padding the layer does itself: differentiate its forward with B as the weight (the
         # bias does not reach the input's credit).
-        _, vjp = torch.func.vjp(
+        _, vjp = torch.func.vjp(  # type: ignore[misc]  # torch's annotation has no has_aux=False overload (a pair)
             lambda inp: torch.func.functional_call(module, {"weight": B}, (inp,)), x.detach()
         )
         return vjp(credit)[0]

@@ -116,8 +116,9 @@ def pydot_of(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, ran
     for node in order:
         data = view.nodes[node]
         # Declared at the top, so that P.get_node(name) finds it; named in its module's box.
-        dot.add_node(pydot.Node(node_id(node), **node_style(node, data, scale, primals.get(node),
-                                                            boxed=clusters)))
+        # Any values: a str could fill pydot's obj_dict parameter, so mypy refuses **dict[str, str]
+        attrs: dict[str, Any] = node_style(node, data, scale, primals.get(node), boxed=clusters)
+        dot.add_node(pydot.Node(node_id(node), **attrs))
         cluster = parents.get(module_path(str(data.get("scope") or "")))
         if cluster is not None:
             cluster.add_node(pydot.Node(node_id(node)))
@@ -126,8 +127,8 @@ def pydot_of(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, ran
     # set's): the same graph gives the same DOT text, and dot the same picture, in any process.
     index = {node: i for i, node in enumerate(order)}
     for u, v, data in sorted(view.edges(data=True), key=lambda e: (index[e[0]], index[e[1]])):
-        dot.add_edge(pydot.Edge(node_id(u), node_id(v),
-                                **edge_style(data, beside=u in beside, rankdir=rankdir)))
+        edge_attrs: dict[str, Any] = edge_style(data, beside=u in beside, rankdir=rankdir)
+        dot.add_edge(pydot.Edge(node_id(u), node_id(v), **edge_attrs))
     for key, value in legend(view, scale).items():  # the graph's label: clusters set their own
         dot.set(key, value)
     return dot

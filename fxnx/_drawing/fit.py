@@ -85,7 +85,8 @@ def fitting_parts(G: nx.MultiDiGraph, dpi: int, clusters: bool, fold: bool,
         return [], []
     marked = G.copy()  # scope_subgraph marks skip connections: never on the caller's graph
     skip_connections(marked)
-    fit, too_large = [], []
+    fit: list[str] = []
+    too_large: list[str] = []
     for top in tops:
         _, _, guess = png_depth(scope_subgraph(marked, top), dpi, clusters, fold, rankdir)
         (fit if fits_png(guess, dpi) else too_large).append(top)

@@ -208,7 +208,7 @@ def node_style(
              "id": quoted(_id_text(node))}
     fill = FILLS[zlib.crc32(str(primal.get("kind") if primal else what).encode()) % len(FILLS)]
     if scale is not None:
-        value = data.get(scale.attr)
+        value: Any = data.get(scale.attr)
         usable = isinstance(value, (int, float)) and math.isfinite(value)
         fill = scale.color(value) if usable else "#FFFFFF"
         if usable and scale.dark(value):

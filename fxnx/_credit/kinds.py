@@ -1,0 +1,52 @@
+"""The node kinds the learning rules know, spelled once: layers and functions with weights.
+
+A kind is a module class or a function, as presets key rules by them (:mod:`.presets`).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["CONTAINERS", "CONVOLUTIONS", "LAYERS", "NATIVE_FUNCTIONS", "WEIGHTED_FUNCTIONS",
+           "WEIGHTED_MODULES"]
+
+_aten = torch.ops.aten
+
+#: Convolutions (not transposed): their feedback to the input can be a kernel shared over space.
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Linear layers and convolutions: the layers whose weights feedback weights stand in for.
+LAYERS = (nn.Linear, *CONVOLUTIONS)
+#: torch.nn modules that torch.fx keeps whole (every ``torch.nn`` module is a leaf of a
+#: symbolic trace) and that hold linear layers and attention: feedback weights replace theirs.
+CONTAINERS = (
+    nn.Transformer, nn.TransformerDecoder, nn.TransformerDecoderLayer, nn.TransformerEncoder,
+    nn.TransformerEncoderLayer,
+)
+#: Every module whose weights carry credit back to its input: the layers, attention, and the
+#: containers that hold them. Their backward reads the weights only to send credit to their
+#: other inputs (attention and transformer layers through ``F.linear``: with gradients on,
+#: torch runs their Python path, never a fused kernel), so swapping each saved weight for
+#: ``B`` is exactly weight transport.
+WEIGHTED_MODULES = (*LAYERS, nn.MultiheadAttention, *CONTAINERS)
+#: The functions that multiply an input by a weight: as a symbolic trace records them
+#: (``F.linear(x, self.weight)``, ``x @ self.W``) and as ``torch.export`` does.
+WEIGHTED_FUNCTIONS = (
+    F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d, torch.addmm, torch.baddbmm, torch.bmm, torch.einsum, torch.matmul,
+    torch.mm, operator.matmul,
+    _aten.linear.default, _aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default,
+    _aten.conv1d.padding, _aten.conv2d.padding, _aten.conv3d.padding, _aten.convolution.default,
+    _aten.conv_transpose1d.default, _aten.conv_transpose2d.input, _aten.conv_transpose3d.input,
+    _aten.addmm.default, _aten.baddbmm.default, _aten.bmm.default, _aten.einsum.default,
+    _aten.matmul.default, _aten.mm.default,
+)
+#: Those whose autograd backward reads the weight only through tensors it saved, so that
+#: swapping them for ``B`` is weight transport: all but the batched products and einsum.
+NATIVE_FUNCTIONS = frozenset(WEIGHTED_FUNCTIONS) - {
+    torch.baddbmm, torch.bmm, torch.einsum,
+    _aten.baddbmm.default, _aten.bmm.default, _aten.einsum.default,
+}
