@@ -245,3 +245,13 @@ def test_varargs_inputs_are_named_by_their_position_in_args():
 
     G = fxnx.convert(Summed(), torch.randn(2), torch.randn(2), torch.randn(2), level="aten")
     assert [p["name"] for p in G.graph["primals"].values()] == ["x", "args[0]", "args[1]"]
+
+
+def test_level_aten_and_the_make_fx_route_are_one_request_recorded_one_way():
+    model = _mlp()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    A = fxnx.convert(model, x, level="aten")
+    B = fxnx.convert(model, x, routes="make_fx")
+    assert A.graph["capture_options"] == B.graph["capture_options"]
+    assert A.graph["capture_options"]["level"] == "aten"
+    assert list(A.nodes(data="target")) == list(B.nodes(data="target"))

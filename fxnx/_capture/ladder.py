@@ -205,8 +205,11 @@ def capture(
     >>> cap.options.to_plain()["routes"]
     ['symbolic_trace', 'export', 'draft_export', 'make_fx']
     """
+    names = _route_names(routes, level)
+    if names == ("make_fx",) and level == "module":
+        level = "aten"  # what make_fx alone captures: one request, recorded one way
     options = CaptureOptions(
-        routes=_route_names(routes, level),
+        routes=names,
         leaf_modules=leaf_names(leaf_modules),
         concrete_args=concrete_items(concrete_args),
         level=level,
@@ -264,7 +267,12 @@ def _capture(
     inputs = bind_inputs(model, args, kwargs, dict(options.concrete_args))
     fixed = dict(inputs.fixed) if inputs is not None else {}
     if options.level != "module":
-        return _capture_aten(model, inputs, options, fake)
+        if inputs is None:
+            raise FxnxTypeError(
+                f"level={options.level!r} runs the model: pass example inputs or input_shape="
+            )
+        if options.level == "joint":
+            return _capture_joint(model, inputs, options, fake)
     varies, propagation = "", None
     failures: list[tuple[str, str]]
     if isinstance(model, fx.GraphModule):
@@ -476,21 +484,16 @@ def _warn_specialised(route: str, specialised: bool) -> None:
         )
 
 
-def _capture_aten(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> Capture:
-    level = options.level
-    if inputs is None:
-        raise FxnxTypeError(
-            f"level={level!r} runs the model: pass example inputs or input_shape="
-        )
+def _capture_joint(model: Any, inputs: Inputs, options: CaptureOptions, fake: bool) -> Capture:
+    """The forward and backward passes as ATen operators in one graph, by make_fx. (The forward
+    alone, ``level="aten"``, is the ladder's make_fx route, as ``routes="make_fx"`` is.)"""
     with alone(model):
-        result = capture_aten(
-            as_module(model), inputs.args, inputs.kwargs, joint=level == "joint", fake=fake
-        )
+        result = capture_aten(as_module(model), inputs.args, inputs.kwargs, joint=True, fake=fake)
     _warn_specialised("make_fx", result.specialised)
     return Capture(
         gm=result.gm, model=model, options=options.captured("make_fx", ()), propagated=True,
         inputs=pytree.tree_leaves((inputs.args, inputs.kwargs)),
-        shape_source=_source(model, fake, "make_fx"), level=level, aten=result,
+        shape_source=_source(model, fake, "make_fx"), level="joint", aten=result,
         fixed_kwargs=dict(inputs.fixed),
     )
 
