@@ -34,6 +34,7 @@ from ._compat import (
     qualified_function_name,
     schema_signature,
 )
+from ._contract import class_name
 
 __all__ = ["bind_call", "fetch_attr", "occurrences", "qualified_name", "to_plain"]
 
@@ -220,7 +221,7 @@ def qualified_name(target: Any) -> str:
     if isinstance(target, str):
         return target
     if isinstance(target, type):
-        return _class_name(target)
+        return class_name(target)
     try:
         name = qualified_function_name(target)
     except Exception:  # not something fx knows how to name
@@ -230,9 +231,6 @@ def qualified_name(target: Any) -> str:
     return "operator." + name[len("_operator.") :] if name.startswith("_operator.") else name
 
 
-@lru_cache(maxsize=4096)
-def _class_name(cls: type) -> str:  # asked for each module around each node: cached
-    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 _PLAIN_SCALARS = (str, int, bool, type(None))
@@ -281,4 +279,4 @@ def to_plain(value: Any) -> Any:
         return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
     if callable(value):
         return qualified_name(value)
-    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+    return f"<{class_name(type(value))}>"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, cast
 
 import networkx as nx
@@ -64,6 +65,16 @@ class Attribute:
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 60
 
+
+
+def _class_name(cls: type) -> str:
+    """A class as graphs and messages name it, the one spelling: ``torch.nn.modules.conv.Conv2d``,
+    a builtin bare (``int``)."""
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: :func:`_class_name`, cached: it is asked for each module around each node.
+class_name = cast(Callable[[type], str], lru_cache(maxsize=4096)(_class_name))
 
 def _got(value: Any) -> str:
     if type(value) is int and value.bit_length() > 200:  # too long to print, or to convert

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._contract import class_name
 from .._errors import FxnxTypeError, FxnxValueError
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "concrete_items",
     "leaf_names",
     "plain_equal",
-    "qualified_class_name",
 ]
 
 #: A ``leaf_modules`` entry: a module class, a qualified submodule name, ``"torch.nn"`` or
@@ -166,7 +166,7 @@ def leaf_names(leaf_modules: Iterable[LeafSpec] | LeafSpec) -> tuple[str, ...]:
     names: list[str] = []
     for spec in leaf_modules:
         if isinstance(spec, type) and _is_module_class(spec):
-            names.append(CLASS_PREFIX + qualified_class_name(spec))
+            names.append(CLASS_PREFIX + class_name(spec))
         elif isinstance(spec, str):
             names.append(spec)
         else:
@@ -175,10 +175,6 @@ def leaf_names(leaf_modules: Iterable[LeafSpec] | LeafSpec) -> tuple[str, ...]:
                 f"(str) or 'torch.nn', got {spec!r} of type {type(spec).__qualname__}"
             )
     return tuple(names)
-
-
-def qualified_class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def concrete_items(concrete_args: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
@@ -233,7 +229,7 @@ def _plain_or_marker(value: Any) -> Any:
         return {UNSTORED: value.kind}
     if _is_plain(value):
         return list(value) if type(value) is tuple else value
-    return {UNSTORED: f"{type(value).__module__}.{type(value).__qualname__}"}
+    return {UNSTORED: class_name(type(value))}
 
 
 def _from_plain(value: Any) -> Any:
@@ -243,4 +239,4 @@ def _from_plain(value: Any) -> Any:
 
 
 def _is_module_class(cls: type) -> bool:
-    return any(qualified_class_name(c) == "torch.nn.modules.module.Module" for c in cls.__mro__)
+    return any(class_name(c) == "torch.nn.modules.module.Module" for c in cls.__mro__)

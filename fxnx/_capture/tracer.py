@@ -37,8 +37,9 @@ import torch.fx as fx
 from torch import nn
 
 from .._compat import mask_helpers
+from .._contract import class_name
 from .._state import preserved
-from .options import CLASS_PREFIX, TORCH_NN, qualified_class_name
+from .options import CLASS_PREFIX, TORCH_NN
 
 __all__ = [
     "KEPT_WHOLE", "NeedValue", "Tracer", "evaluate", "is_torch_nn", "mha_fast_path_off",
@@ -187,7 +188,7 @@ class Tracer(fx.Tracer):
         if module_qualified_name in self.leaf_paths:
             return True
         if self.leaf_classes and any(
-            qualified_class_name(c) in self.leaf_classes for c in type(m).__mro__
+            class_name(c) in self.leaf_classes for c in type(m).__mro__
         ):
             return True
         if self.torch_nn_whole:
