@@ -14,7 +14,19 @@ import networkx as nx
 from .._analysis import topological_order
 from .._errors import FxnxTypeError, FxnxValueError
 from .estimate import beside_consumers
-from .style import FONT, PLAIN, Scale, cluster_label, edge_style, legend, node_id, node_style
+from .style import (
+    BOX_SIZE,
+    FONT,
+    NAME_SIZE,
+    PLAIN,
+    TEXT_SIZE,
+    Scale,
+    cluster_label,
+    edge_style,
+    legend,
+    node_id,
+    node_style,
+)
 from .view import acyclic, module_path, view_of, without_checks
 
 
@@ -105,9 +117,9 @@ def pydot_of(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, ran
         "fxnx", graph_type="digraph", rankdir=rankdir, fontname=FONT, nodesep="0.25",
         ranksep="0.3", newrank="true", **(graph_attrs or {}),
     )
-    dot.set_node_defaults(fontname=FONT, fontsize="12", shape="box", style="rounded,filled",
+    dot.set_node_defaults(fontname=FONT, fontsize=str(NAME_SIZE), shape="box", style="rounded,filled",
                           margin="0.08,0.04", height="0.3")
-    dot.set_edge_defaults(fontname=FONT, fontsize="10", color=PLAIN, fontcolor="#3C4043",
+    dot.set_edge_defaults(fontname=FONT, fontsize=str(TEXT_SIZE), color=PLAIN, fontcolor="#3C4043",
                           arrowsize="0.6")
     scale = Scale(view, color_by) if color_by else None
     parents = _clusters(dot, view) if clusters else {}
@@ -149,7 +161,7 @@ def _clusters(dot: Any, G: nx.MultiDiGraph) -> dict[str, Any]:
     for i, scope in enumerate(sorted(needed, key=lambda s: (s.count("."), s))):
         cluster = pydot.Cluster(
             f"c{i}", label=cluster_label(scope, modules.get(scope)), style="rounded,dashed",
-            color="#9AA0A6", fontname=FONT, fontsize="11", fontcolor="#5F6368", labeljust="l",
+            color="#9AA0A6", fontname=FONT, fontsize=str(BOX_SIZE), fontcolor="#5F6368", labeljust="l",
         )
         clusters[scope] = cluster
         parent = scope.rpartition(".")[0]

@@ -47,6 +47,10 @@ VIRIDIS = ("#440154", "#472D7B", "#3B528B", "#2C728E", "#21918C", "#28AE80", "#5
            "#ADDC30", "#FDE725")
 #: A standard PostScript font: SVG names it (with sans-serif as fallback), PDF embeds it.
 FONT = "Helvetica"
+#: Font sizes in points, the only place they are set (:mod:`.estimate` measures text by them):
+#: a node's name; its kind, notes and listed parameters, and an edge's shape; a module box's
+#: label and the legend; the note on an opaque node.
+NAME_SIZE, TEXT_SIZE, BOX_SIZE, SMALL_SIZE = 12, 10, 11, 9
 #: Characters a line of the parameters listed on a node may hold, unless one name is longer.
 NAMES_LINE = 26
 #: Characters of a graph's string shown in a label or a node id, and on a line of a tooltip:
@@ -198,12 +202,12 @@ def node_style(
     if data.get("op") == "module" and data.get("members"):
         note = f"{what} · {clip(data['members'])} ops"
     if note and note != name:
-        lines.append(f'<FONT POINT-SIZE="10">{text(note)}</FONT>')
+        lines.append(f'<FONT POINT-SIZE="{TEXT_SIZE}">{text(note)}</FONT>')
     # The parameters it alone reads, in italics: what it holds, not what flows into it.
-    lines.extend(f'<FONT POINT-SIZE="10"><I>{text(line)}</I></FONT>'
+    lines.extend(f'<FONT POINT-SIZE="{TEXT_SIZE}"><I>{text(line)}</I></FONT>'
                  for line in _parameter_lines(data, boxed))
     if data.get("opaque"):
-        lines.append('<FONT POINT-SIZE="9">opaque: not traced</FONT>')
+        lines.append(f'<FONT POINT-SIZE="{SMALL_SIZE}">opaque: not traced</FONT>')
     style = {"label": "<" + "<BR/>".join(lines) + ">", "tooltip": quoted(_tooltip(node, data, what)),
              "id": quoted(_id_text(node))}
     fill = FILLS[zlib.crc32(str(primal.get("kind") if primal else what).encode()) % len(FILLS)]
@@ -386,4 +390,4 @@ def legend(G: nx.MultiDiGraph, scale: Scale | None) -> dict[str, str]:
     if not rows:
         return {}
     table = '<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2">' + "".join(rows) + "</TABLE>"
-    return {"label": f"<{table}>", "labelloc": "t", "labeljust": "r", "fontsize": "11"}
+    return {"label": f"<{table}>", "labelloc": "t", "labeljust": "r", "fontsize": str(BOX_SIZE)}
