@@ -319,7 +319,7 @@ def routes(text: str) -> str | tuple[str, ...]:
 def rule(text: str) -> str:
     """The name of a credit rule preset in ``fxnx.credit.PRESETS`` (``exact``, ``usf``, ...)."""
     _needs_torch()
-    from ._credit import PRESETS
+    from ._credit.presets import PRESETS
 
     if text not in PRESETS:
         raise argparse.ArgumentTypeError(f"unknown rule {text!r}; known rules: {', '.join(PRESETS)}")
