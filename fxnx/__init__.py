@@ -7,7 +7,7 @@
 
 Every public name is listed once, in ``_API`` below, with the private module that holds it,
 and loads on first use: ``import fxnx`` and everything that reads graph files work without
-torch. Four public modules hold what fewer users need: :mod:`fxnx.credit` (writing and
+torch. Five public modules hold what fewer users need: :mod:`fxnx.credit` (writing and
 choosing learning rules), :mod:`fxnx.errors` (the exceptions), :mod:`fxnx.contract` (the graph
 contract's tables), :mod:`fxnx.plot` (figures) and :mod:`fxnx.frames` (cost tables).
 """

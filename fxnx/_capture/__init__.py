@@ -1,7 +1,7 @@
 """Capturing a model as a ``torch.fx.GraphModule`` with tensor metadata: the one place that runs it.
 
-Named ``capturing`` (not ``capture``) so that the package does not shadow the
-public function :func:`fxnx.capture`, which it defines.
+Named ``_capture``: private, and apart from the public function :func:`fxnx.capture`,
+which it defines.
 
 Modules, in the order a capture meets them:
 

@@ -1,4 +1,8 @@
-"""Training with credit routed over the graph: a module whose backward is the routing."""
+"""Training with credit routed over the graph: a module whose backward is the routing.
+
+(This module was ``fxnx/credit/engine.py``; the old ``credit/router.py``, which held
+:func:`~fxnx.route_credit`, is now :mod:`.collected`.)
+"""
 
 from __future__ import annotations
 

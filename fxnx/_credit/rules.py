@@ -21,8 +21,8 @@ The rules:
 - :class:`DirectFeedbackAlignment` (Nøkland, 2016, NeurIPS): a fixed random
   projection of the credit at the *model's output* goes to the node's input.
 
-Feedback weights are drawn as BioTorch draws them (:mod:`fxnx._credit.feedback`);
-feedback that learns (Kolen–Pollack, weight mirrors) is in :mod:`fxnx._credit.learned`.
+Feedback weights are drawn as BioTorch draws them (:mod:`.feedback`);
+feedback that learns (Kolen–Pollack, weight mirrors) is in :mod:`.learned`.
 
 Under every one of them a layer's own parameters get their exact credit given
 the credit that reached the layer's output.
@@ -133,7 +133,7 @@ class Exact(Rule):
 
 
 class _Drawn(Rule):
-    """A rule that draws random feedback weights (see :mod:`fxnx._credit.feedback`): from its
+    """A rule that draws random feedback weights (see :mod:`.feedback`): from its
     own seed or the run's, from law ``init``, none larger than ``max_bytes``."""
 
     laws: ClassVar[tuple[str, ...]] = fb.LAWS
@@ -240,8 +240,8 @@ class FeedbackAlignment(_Drawn, Transport):
     seed : int, optional
         Seeds ``B``, per node. None: the seed of the router or ``route_credit`` call.
     init : {"xavier", "kaiming"}
-        The law ``B`` is drawn from (:mod:`fxnx._credit.feedback`); ``"xavier"``
-        by default, as in BioTorch.
+        The law ``B`` is drawn from: ``"xavier"`` (Glorot uniform, BioTorch's default) or
+        ``"kaiming"`` (the layer's own initialisation in PyTorch).
     max_bytes : int, optional
         Refuse any feedback weight larger than this (1 GiB), before making it.
     """
@@ -292,7 +292,8 @@ class SignSymmetry(_Drawn, Transport):
     seed : int, optional
         Seeds the draws, per node. None: the seed of the run.
     init : {"xavier", "kaiming", "unit"}
-        The law of ``M`` (:mod:`fxnx._credit.feedback`); ``"unit"`` for uSF only.
+        The law of ``M``, as for :class:`FeedbackAlignment`; ``"unit"`` (magnitude one,
+        Liao et al.'s literal form) for uSF only.
     max_bytes : int, optional
         Refuse any feedback weight larger than this (1 GiB), before making it.
 
@@ -428,8 +429,8 @@ class DirectFeedbackAlignment(_Drawn):
         Seeds each ``B``, per node and input, drawn on first use when the
         output's size is known. None: the seed of the run.
     init : {"xavier", "kaiming"}
-        The law of ``B`` (:mod:`fxnx._credit.feedback`; fans of the dense form
-        are those of the ``(D, prod(x.shape[1:]))`` matrix).
+        The law of ``B``, as for :class:`FeedbackAlignment` (fans of the dense form are
+        those of the ``(D, prod(x.shape[1:]))`` matrix).
     spatial : bool
         Share a convolution's feedback over space (default) or use the dense form.
     max_bytes : int, optional

@@ -2,10 +2,11 @@
 
 1. the view (:mod:`.view`): checks left out, modules collapsed, parameters listed, skips
    marked, on a copy;
-2. the fit (:mod:`.fit`, from the sizes :mod:`.estimate` predicts): the depth of a PNG, and
+2. the style (:mod:`.style`): what each node, edge and box says, in which font and colour;
+3. the fit (:mod:`.fit`, from the sizes :mod:`.estimate` predicts): the depth of a PNG, and
    the errors that say what fits;
-3. the style (:mod:`.style`) and the DOT assembly (:mod:`.dot`);
-4. one Graphviz run (:mod:`.graphviz`), when a file or the notebook asks for an image.
+4. the DOT text (:mod:`.dot`);
+5. one Graphviz run (:mod:`.graphviz`), when a file or the notebook asks for an image.
 """
 
 from __future__ import annotations

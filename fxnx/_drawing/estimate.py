@@ -4,7 +4,7 @@ Graphviz's ``dot`` ranks nodes, then adds one virtual node per rank that an
 edge crosses, orders every rank to reduce crossings and places the nodes; its
 time grows with the nodes plus those virtual nodes, and a PNG's time with its
 pixels. Both are predicted here from the graph alone, so that :mod:`.fit`
-picks the collapse depth once and runs ``dot`` once. No pydot, no torch.
+picks the collapse depth once and :mod:`.graphviz` runs ``dot`` once. No pydot, no torch.
 """
 
 from __future__ import annotations
@@ -16,15 +16,24 @@ from typing import Any
 
 import networkx as nx
 
-from .style import _parameter_lines, _title, cluster_title, edge_label, kind, legend
+from .style import (
+    BOX_SIZE,
+    NAME_SIZE,
+    TEXT_SIZE,
+    _parameter_lines,
+    _title,
+    cluster_title,
+    edge_label,
+    kind,
+    legend,
+)
 from .view import module_path
 
-#: Points (1/72 inch) per character of a node's bold 12-point name, and of its 10-point kind.
-NAME_CHAR, KIND_CHAR = 7.4, 5.6
-
-
-#: Points per character of an edge's 10-point shape label, and of a module box's 11-point label.
-LABEL_CHAR, BOX_CHAR = 5.6, 6.2
+#: Points (1/72 inch) per character of Helvetica at the style's sizes, measured: 0.617 of the
+#: size for a node's bold name, 0.56 for its kind and an edge's shape label, 0.564 for a
+#: module box's label.
+NAME_CHAR, KIND_CHAR = NAME_SIZE * 37 / 60, TEXT_SIZE * 56 / 100  # 7.4 and 5.6 at 12 and 10
+LABEL_CHAR, BOX_CHAR = TEXT_SIZE * 56 / 100, BOX_SIZE * 62 / 110  # 5.6 and 6.2 at 10 and 11
 
 
 #: Points a node adds beyond its text (margins and border), and a virtual node's width.
@@ -35,8 +44,8 @@ NODE_PAD, VIRTUAL = 16.0, 10.0
 NODESEP, RANK_STEP = 18.0, 56.0
 
 
-#: Points each line beyond a node's name and kind adds to its height (10-point text).
-LINE = 12.0
+#: Points each line beyond a node's name and kind adds to its height: 1.2 times its size.
+LINE = TEXT_SIZE * 12 / 10
 
 
 #: Points a module's box adds across: its margins on either side and its border, and left to
@@ -48,8 +57,8 @@ CLUSTER_PAD, CLUSTER_PAD_LR = 18.0, 32.0
 NODE_HEIGHT, RANKSEP = 28.0, 21.6
 
 
-#: Points of an edge label's line (10-point text), laid out left to right as a node of its own.
-LABEL_LINE = 12.0
+#: Points of an edge label's line, laid out left to right as a node of its own.
+LABEL_LINE = TEXT_SIZE * 12 / 10
 
 
 #: Past this many nodes plus virtual nodes, dot's network simplex and crossing reduction are

@@ -47,7 +47,8 @@ VIRIDIS = ("#440154", "#472D7B", "#3B528B", "#2C728E", "#21918C", "#28AE80", "#5
            "#ADDC30", "#FDE725")
 #: A standard PostScript font: SVG names it (with sans-serif as fallback), PDF embeds it.
 FONT = "Helvetica"
-#: Font sizes in points, the only place they are set (:mod:`.estimate` measures text by them):
+#: Font sizes in points, the only place they are set (:mod:`.estimate` measures text by them,
+#: so a change here changes the predicted layout too):
 #: a node's name; its kind, notes and listed parameters, and an edge's shape; a module box's
 #: label and the legend; the note on an opaque node.
 NAME_SIZE, TEXT_SIZE, BOX_SIZE, SMALL_SIZE = 12, 10, 11, 9
@@ -158,7 +159,7 @@ def _title(node: Any, data: dict[str, Any], boxed: bool = True) -> str:
 
 
 def _parameter_lines(data: dict[str, Any], boxed: bool = True) -> list[str]:
-    """The parameters listed on a node (see :func:`fxnx._drawing.fold.fold_parameters`), a few to a
+    """The parameters listed on a node (see :func:`.view.fold_parameters`), a few to a
     line: inside the node's module box by their path from it (``weight``), else by their
     node names."""
     names = [_title(name, {"op": "get_attr", "target": target, "scope": data.get("scope")}, boxed)

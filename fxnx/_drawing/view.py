@@ -124,7 +124,7 @@ def fold_parameters(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
 def folded_parameters(G: nx.MultiDiGraph, group: dict[Any, Any] | None = None) -> dict[Any, Any]:
     """Each ``get_attr`` node that one node alone reads, to that node: what
     :func:`fold_parameters` lists. ``group`` maps the nodes of ``G`` that a collapsed module
-    takes in to that module's node in the view drawn (:func:`fxnx._drawing.collapse.collapse`); a
+    takes in to that module's node in the view drawn (:func:`collapse`); a
     parameter it takes in is no node of its own, and one that a module's nodes alone read is
     listed on the module (by default every node is drawn as itself).
 
@@ -219,7 +219,7 @@ def collapse(
 
 def collapsed_size(G: nx.MultiDiGraph, depth: int) -> int:
     """How many nodes ``G`` is drawn with at ``depth``, at least, without building the view:
-    :func:`collapse`, then :func:`fxnx._drawing.fold.fold_parameters`.
+    :func:`collapse`, then :func:`fold_parameters`.
 
     A module whose merged calls would close a cycle stays expanded, so the view
     may have more.
@@ -324,7 +324,7 @@ def acyclic(G: nx.MultiDiGraph) -> None:
 def view_of(G: nx.MultiDiGraph, depth: int | None, *, fold: bool = True) -> nx.MultiDiGraph:
     """What is drawn of ``G`` at ``depth``, its skip connections marked: the collapsed view,
     ``G`` itself where it carries the marks already, or else a marked copy. With ``fold``, the parameters
-    that one node alone reads are listed on it (:func:`fxnx._drawing.fold.fold_parameters`);
+    that one node alone reads are listed on it (:func:`fold_parameters`);
     coloured by a value, each keeps a node in its own colour."""
     if depth is not None:
         view = collapse(G, depth)
