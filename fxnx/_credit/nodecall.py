@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +60,12 @@ class NodeCall:
     param_inputs : dict
         Input occurrence to ``(qualified name, parameter)`` for the occurrences
         that are a trainable parameter of the model (a ``get_attr`` node): the
-        weight of ``F.linear(x, self.weight)`` or of an exported ``aten.linear``.
+        weight of ``F.linear(x, self.weight)`` or of an exported ``aten.linear``, or a
+        view of one that copies nothing (``x @ self.weight.T``).
+    param_views : dict
+        For the occurrences of ``param_inputs`` that are such a view, the view to take of a
+        tensor laid out like the parameter (``lambda B: B.T``): what a rule that puts ``B``
+        in the parameter's place passes there.
     """
 
     name: str
@@ -76,6 +81,7 @@ class NodeCall:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     param_inputs: dict[int, tuple[str, Tensor]] = field(default_factory=dict)
+    param_views: dict[int, Callable[[Tensor], Tensor]] = field(default_factory=dict)
 
     def wants(self, i: int) -> bool:
         """Whether input occurrence ``i`` is a tensor that needs credit."""

@@ -11,17 +11,20 @@ credit backward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
 from .._callinfo import bind_call, fetch_attr, occurrences
+from .._compat import pytree
 from .._errors import FxnxValueError
-from .nodecall import NodeCall, written_input
+from .nodecall import NodeCall, call_target, written_input
 
 __all__ = ["Entry", "Plan", "compile_plan"]
 
@@ -79,7 +82,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
             name=node.name, op=node.op, target=node.target, module=module,
             sources=[src.name for _, src in occ], labels=[label for label, _ in occ],
             inputs=[], output=None, params=params, args=node.args, kwargs=dict(node.kwargs),
-            param_inputs=_param_inputs(gm, [src.name for _, src in occ], entries),
+            **_param_inputs(gm, [src.name for _, src in occ], entries),
         )
         entry = Entry(node=node, call=call)
         if node.op == "get_attr":
@@ -130,15 +133,57 @@ def _untraced_counters(gm: fx.GraphModule, model: Any) -> list[Tensor]:
     return counters
 
 
-def _param_inputs(gm: fx.GraphModule, sources: list[str], entries: dict[str, Entry]) -> dict[int, tuple[str, Tensor]]:
-    """Input occurrence to (qualified name, parameter) for the sources that are trainable
-    parameters (get_attr nodes; their entries come before any node that reads them)."""
-    found = {}
+def _param_inputs(gm: fx.GraphModule, sources: list[str], entries: dict[str, Entry]) -> dict[str, Any]:
+    """``param_inputs`` and ``param_views`` of a node whose input occurrences come from
+    ``sources``: the occurrences that are trainable parameters (get_attr nodes; their entries
+    come before any node that reads them) or a view of one that copies nothing
+    (:data:`_VIEWS`: ``x @ self.weight.T``, an exported ``aten.t``)."""
+    found: dict[int, tuple[str, Tensor]] = {}
+    views: dict[int, Callable[[Tensor], Tensor]] = {}
     for k, src in enumerate(sources):
         entry = entries.get(src)
-        if entry is not None and entry.param is not None:
+        if entry is None:
+            continue
+        if entry.param is not None:
             found[k] = (entry.param, fetch_attr(gm, entry.node.target))  # type: ignore[arg-type]
-    return found
+            continue
+        node = entry.node
+        base = entries.get(node.args[0].name) if node.args and isinstance(node.args[0], fx.Node) else None
+        if base is None or base.param is None or not _a_view(node):
+            continue
+        found[k] = (base.param, fetch_attr(gm, base.node.target))  # type: ignore[arg-type]
+        views[k] = functools.partial(_view, node.op, node.target, node.args[1:], dict(node.kwargs))
+    return {"param_inputs": found, "param_views": views}
+
+
+_aten = torch.ops.aten
+#: Calls that view their first argument without copying it: transposes and permutations, as
+#: a symbolic trace records them (``W.T``, ``W.t()``, ``torch.transpose(W, 0, 1)``) and as
+#: ``torch.export`` does.
+_VIEWS = frozenset({
+    ("call_method", "t"), ("call_method", "transpose"), ("call_method", "permute"),
+    ("call_function", torch.t), ("call_function", torch.transpose), ("call_function", torch.permute),
+    ("call_function", _aten.t.default), ("call_function", _aten.transpose.int),
+    ("call_function", _aten.permute.default), ("call_function", _aten.numpy_T.default),
+})
+
+
+def _a_view(node: fx.Node) -> bool:
+    """Whether ``node`` views its first argument as :data:`_VIEWS` do, every other argument
+    a constant."""
+    if node.op == "call_function" and node.target is getattr:
+        known = len(node.args) == 2 and node.args[1] in ("T", "mT")
+    else:
+        try:
+            known = (node.op, node.target) in _VIEWS
+        except TypeError:  # an unhashable target
+            return False
+    return known and not any(isinstance(a, fx.Node) for a in pytree.tree_leaves((node.args[1:], node.kwargs)))
+
+
+def _view(op: str, target: Any, rest: tuple[Any, ...], kwargs: dict[str, Any], T: Tensor) -> Tensor:
+    """The view a node took of a parameter, taken of ``T`` instead."""
+    return call_target(op, target, None, (T, *rest), kwargs)
 
 
 def _check_writes(gm: fx.GraphModule) -> None:

@@ -19,8 +19,6 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-import torch
-
 from .._errors import FxnxValueError
 from .kinds import WEIGHTED_FUNCTIONS, WEIGHTED_MODULES
 from .learned import KolenPollack, WeightMirror
@@ -132,11 +130,11 @@ def lookup(call: NodeCall, table: Mapping[Any, Rule]) -> Rule | None:
     return None
 
 
-_aten = torch.ops.aten
 
-#: A node of these kinds (:mod:`.kinds`) follows the feedback rule where one of its
-#: arguments is a trainable parameter of two or more dimensions (each such parameter gets its
-#: own ``B``), and is routed exactly where none is (``q @ k.transpose(-2, -1)`` in attention).
+#: A node of these kinds (:mod:`.kinds`) follows the feedback rule where one of its arguments
+#: is a trainable parameter of two or more dimensions, or a transpose of one (``W.T``); each
+#: such parameter gets its own ``B``. It is routed exactly where none is (``q @ k.transpose(-2,
+#: -1)`` in attention).
 
 
 def _every(rule: Rule) -> dict[Any, Rule]:

@@ -105,6 +105,10 @@ def transported(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[l
     return inputs, param_credit
 
 
+def _same(T: Tensor) -> Tensor:
+    return T
+
+
 def _recomputed_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[list[Credit], dict[str, Tensor]]:
     """Exact credit for the parameters; for the other inputs, the VJP of the node recomputed
     with each weight replaced by its ``B`` (same call, same other arguments)."""
@@ -119,8 +123,8 @@ def _recomputed_credit(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> 
         with torch.enable_grad():
             out = torch.func.functional_call(module, swapped, tuple(call.args), dict(call.kwargs))
     else:
-        swap = {
-            id(call.inputs[k]): B[name].to(call.inputs[k])
+        swap = {  # B in the weight's place: as the node read it (a view of it, for ``W.T``)
+            id(call.inputs[k]): call.param_views.get(k, _same)(B[name].to(W)).to(call.inputs[k])
             for k, (name, W) in call.param_inputs.items() if name in B
         }
         args, kwargs = pytree.tree_map(

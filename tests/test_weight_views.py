@@ -1,0 +1,156 @@
+"""Weight transport through a view of the weight: ``x @ self.weight.T`` (Hugging Face's Falcon,
+hand-written layers) and what ``torch.export`` makes of it (``aten.t``, ``aten.numpy_T``).
+
+Oracles: feedback alignment's credit written out by hand (Lillicrap et al.; BioTorch's
+``grad_input = grad_output @ B``) in float64, and the same rules on the same network built
+from ``nn.Linear``, a path that reads no view.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxnx
+
+from conftest import rel_error
+
+
+class Viewed(nn.Module):
+    """Two weights read through views: ``W1.T`` and ``W2.t()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(5, 3, dtype=torch.float64) / 2)
+        self.w2 = nn.Parameter(torch.randn(4, 5, dtype=torch.float64) / 2)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w1.T) @ self.w2.t()
+
+
+class Linear(nn.Module):
+    """The same network from ``nn.Linear`` layers."""
+
+    def __init__(self, viewed: Viewed) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 5, bias=False, dtype=torch.float64)
+        self.l2 = nn.Linear(5, 4, bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            self.l1.weight.copy_(viewed.w1)
+            self.l2.weight.copy_(viewed.w2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def _weighted(G):
+    """The two weighted nodes, in order: the matmuls, the linear layers or their ATen calls."""
+    return [n for n, d in G.nodes(data=True)
+            if d.get("op") == "call_module" or any(k in str(d.get("target")) for k in ("matmul", "linear"))]
+
+
+@pytest.mark.parametrize("route", ["symbolic_trace", "export"])
+def test_feedback_alignment_through_a_transposed_weight_is_the_rule_by_hand(route):
+    torch.manual_seed(0)
+    model = Viewed()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    e = torch.randn(6, 4, dtype=torch.float64)
+    B1, B2 = torch.randn(5, 3, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(model, x, routes=route)
+    first, second = _weighted(G)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment", feedback={first: B1, second: B2})
+    x_ = x.clone().requires_grad_()
+    (router(x_) * e).sum().backward()
+
+    h = torch.tanh(x @ model.w1.detach().T)  # by hand: B in W's place on the way back only
+    d_pre = (e @ B2) * (1 - h**2)
+    assert rel_error(model.w2.grad, e.T @ h) <= 1e-12
+    assert rel_error(model.w1.grad, d_pre.T @ x) <= 1e-12
+    assert rel_error(x_.grad, d_pre @ B1) <= 1e-12
+
+
+@pytest.mark.parametrize("route", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("rule", ["usf", "frsf", "kolen_pollack"])
+def test_every_weight_transport_rule_sees_through_the_view_as_through_nn_linear(route, rule):
+    torch.manual_seed(0)
+    viewed = Viewed()
+    linear = Linear(viewed)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    e = torch.randn(6, 4, dtype=torch.float64)
+    got = {}
+    for name, model in (("viewed", viewed), ("linear", linear)):
+        G = fxnx.convert(model, x, routes=route)
+        router = fxnx.CreditRouter(G, model, rule=rule, seed=0)
+        if rule != "usf":  # random feedback: the same B for both, in each network's node names
+            feedback = dict(zip(_weighted(G), FEEDBACK, strict=True))
+            router = fxnx.CreditRouter(G, model, rule=rule, feedback=feedback)
+        x_ = x.clone().requires_grad_()
+        (router(x_) * e).sum().backward()
+        got[name] = [x_.grad, *(p.grad for p in model.parameters())]
+    for a, b in zip(got["viewed"], got["linear"], strict=True):
+        assert rel_error(a, b) <= 1e-12
+
+
+FEEDBACK = [torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+            torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))]
+
+
+def test_a_view_that_is_not_the_weights_own_is_routed_exactly():
+    """``x @ W[:2].T`` reads part of W: not a view the rules know, so the node is exact."""
+
+    class Sliced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+
+        def forward(self, x):
+            return F.relu(x @ self.w[:2].T)
+
+    model = Sliced()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    x_ = x.clone().requires_grad_()
+    with pytest.warns(UserWarning, match="applies to no node"):
+        router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+        router(x_).sum().backward()
+    ref = x.clone().requires_grad_()
+    model_grad = torch.autograd.grad(model(ref).sum(), [ref, model.w])
+    assert rel_error(x_.grad, model_grad[0]) <= 1e-12
+    assert rel_error(model.w.grad, model_grad[1]) <= 1e-12
+
+
+def _weights_of(G, model, node):
+    """The parameter a weighted node reads, directly or through a view: found on G's edges."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
+    for u in G.predecessors(node):
+        for v in (u, *G.predecessors(u)):
+            target = G.nodes[v].get("target")
+            if G.nodes[v].get("op") == "get_attr" and target in params and params[target].dim() >= 2:
+                return params[target]
+    raise AssertionError(f"no weight found for {node}")
+
+
+def test_falcon_exported_with_transposed_weights_gets_feedback_and_b_equal_to_w_is_autograd():
+    """Falcon's layers compute ``x @ self.weight.T``; torch.export records ``aten.t``. Every
+    layer must get feedback, and feedback alignment with B = W is backprop (the oracle)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32,
+                                       vocab_size=50, hidden_dropout=0.0, attention_dropout=0.0)
+    model = transformers.FalconForCausalLM(config).double().eval()
+    ids = torch.randint(1, 50, (2, 8))
+    G = fxnx.convert(model, ids)
+    assert G.graph["capture"] == "export"
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    router(ids)  # feedback is drawn at the first forward
+    assert len(router.feedback) == 2 * 4 + 1  # qkv, dense, h_to_4h, 4h_to_h per layer; the head
+    mirror = {node: _weights_of(G, model, node).detach().clone() for node in router.feedback}
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment", feedback=mirror)
+    router(ids).logits.pow(2).mean().backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(ids).logits.pow(2).mean().backward()
+    for name, p in model.named_parameters():
+        assert rel_error(ours[name], p.grad) <= 1e-12, name
