@@ -1,10 +1,11 @@
 """Learning rules: the objects and presets that say how each node sends credit back.
 
-Use them with :class:`fxnx.CreditRouter` and :func:`fxnx.route_credit`, by preset name or
-per node name or kind::
+Use them with :class:`fxnx.CreditRouter` and :func:`fxnx.route_credit`: by preset name, as
+one rule object at every weighted layer, or per node name or kind::
 
     router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
-    router = fxnx.CreditRouter(G, model, rules={nn.Linear: fxnx.credit.FeedbackAlignment(init="kaiming")})
+    router = fxnx.CreditRouter(G, model, rule=fxnx.credit.FeedbackAlignment(init="kaiming"))
+    router = fxnx.CreditRouter(G, model, rules={"fc": fxnx.credit.Exact()})
 
 A rule is a :class:`Rule` (or a plain function) called with a :class:`NodeCall`, the credit at
 the node's output and the :class:`RoutingState`; a :class:`Preset` maps node kinds to rules;

@@ -195,3 +195,38 @@ def test_the_plan_is_compiled_once(monkeypatch):
         B = B if B is not None else router.feedback["_0"]
         assert router.feedback["_0"] is B  # the same feedback weights every step
     assert len(compiled) == 1
+
+
+def test_a_rule_object_as_rule_is_that_rule_at_every_weighted_layer():
+    """``rule=FeedbackAlignment()`` is the "feedback_alignment" preset with that object: the same
+    credit bit for bit; another init draws another B; a user's rule reaches the weighted layers
+    only, the others staying exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, e = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+
+    def grads(rule):
+        model.zero_grad()
+        x_ = x.clone().requires_grad_()
+        (fxnx.CreditRouter(G, model, rule=rule, seed=3)(x_) * e).sum().backward()
+        return [x_.grad, *(p.grad.clone() for p in model.parameters())]
+
+    preset, obj = grads("feedback_alignment"), grads(fxnx.credit.FeedbackAlignment())
+    assert all(torch.equal(a, b) for a, b in zip(preset, obj, strict=True))
+    kaiming = grads(fxnx.credit.FeedbackAlignment(init="kaiming"))
+    assert not torch.equal(kaiming[0], preset[0])
+
+    seen = []
+
+    class Spy(fxnx.credit.Rule):
+        name = "spy"
+
+        def __call__(self, call, credit, state):
+            seen.append(call.name)
+            return call.exact(credit)
+
+    exact = grads("exact")
+    spied = grads(Spy())
+    assert sorted(set(seen)) == ["_0", "_2"]  # the two Linear layers, not tanh
+    assert all(rel_error(a, b) <= 1e-12 for a, b in zip(spied, exact, strict=True))

@@ -34,6 +34,7 @@ from .router import (
     rules_used,
     run_checked,
 )
+from .rules import Rule
 
 __all__ = ["route_credit"]
 
@@ -43,7 +44,7 @@ def route_credit(
     model: nn.Module | Callable[..., Any],
     *inputs: Any,
     output_credit: Any = None,
-    rule: str | Mapping[Any, Any] = "exact",
+    rule: str | Rule | Mapping[Any, Any] = "exact",
     rules: Mapping[Any, Any] | None = None,
     kwargs: Mapping[str, Any] | None = None,
     seed: int = 0,
@@ -68,10 +69,11 @@ def route_credit(
     *inputs, kwargs : the model's inputs for the forward pass.
     output_credit : tensor or structure like the output, optional
         Credit arriving at the output; None means ones (the gradient of ``output.sum()``).
-    rule : str, Preset or mapping
+    rule : str, Rule, Preset or mapping
         A preset name: ``"exact"`` (equals autograd), ``"feedback_alignment"``,
         ``"usf"``, ``"brsf"``, ``"frsf"``, ``"direct_feedback_alignment"``, ``"kolen_pollack"``,
-        ``"weight_mirror"`` (see ``fxnx.credit.PRESETS``); a :class:`~fxnx.credit.Preset`; or a mapping of node
+        ``"weight_mirror"`` (see ``fxnx.credit.PRESETS``); a rule object, at every weighted
+        layer as a preset puts its own; a :class:`~fxnx.credit.Preset`; or a mapping of node
         kinds to rules.
     rules : mapping, optional
         Rules that override the preset: keys are node names (str), module

@@ -141,6 +141,13 @@ def _every(rule: Rule) -> dict[Any, Rule]:
     return dict.fromkeys((*WEIGHTED_MODULES, *WEIGHTED_FUNCTIONS), rule)
 
 
+def preset_of(rule: Rule) -> Preset:
+    """``rule`` at every weighted layer and function, exact elsewhere: what each built-in
+    preset is for its own rule, so ``rule=FeedbackAlignment(init="kaiming")`` is
+    ``"feedback_alignment"`` with that rule."""
+    return Preset(getattr(rule, "name", type(rule).__name__), _every(rule))
+
+
 #: The built-in presets, by the name ``rule=`` takes. Read-only: make your own with ``|``.
 PRESETS: Mapping[str, Preset] = MappingProxyType({
     "exact": Preset("exact", {}),

@@ -33,7 +33,7 @@ from .faithful import Probe, differs, probe
 from .graft import Graft, graft
 from .nodecall import NodeCall
 from .plan import Plan, compile_plan
-from .presets import PRESETS, Preset, check_kinds, lookup
+from .presets import PRESETS, Preset, check_kinds, lookup, preset_of
 from .result import CreditResult
 from .rules import Exact, Rule, Transport, check_rule, rule_name
 from .transport import feedback_weights
@@ -79,12 +79,13 @@ class CreditRouter(nn.Module):
         The graph :func:`fxnx.convert` made of ``model``, possibly with edges
         removed (an edge removed carries no credit; its value still flows forward).
     model : nn.Module or callable
-    rule : str, Preset or mapping
+    rule : str, Rule, Preset or mapping
         A preset name (``"exact"``, ``"feedback_alignment"``, ``"usf"``,
         ``"brsf"``, ``"frsf"``, ``"direct_feedback_alignment"``, ``"kolen_pollack"``,
         ``"weight_mirror"``; see
-        ``fxnx.credit.PRESETS``), a :class:`Preset`, or a mapping of node kinds to
-        rules (a preset over exact).
+        ``fxnx.credit.PRESETS``); a rule object, at every weighted layer as a preset puts
+        its own (``rule=fxnx.credit.FeedbackAlignment(init="kaiming")``); a :class:`Preset`;
+        or a mapping of node kinds to rules (a preset over exact).
     rules : mapping, optional
         Rules that override the preset, keyed by node name (str), module
         class, function, or ``method("name")``.
@@ -135,7 +136,7 @@ class CreditRouter(nn.Module):
         self,
         G: nx.MultiDiGraph,
         model: nn.Module | Callable[..., Any],
-        rule: str | Mapping[Any, Any] = "exact",
+        rule: str | Rule | Mapping[Any, Any] = "exact",
         *,
         rules: Mapping[Any, Any] | None = None,
         seed: int = 0,
@@ -648,9 +649,12 @@ def _preset(rule: Any) -> Preset:
         return rule
     if isinstance(rule, Mapping):
         return Preset("custom", rule)
+    if isinstance(rule, Rule):
+        return preset_of(rule)
     raise FxnxTypeError(
-        f"rule must be a preset name ({', '.join(PRESETS)}), a fxnx.credit.Preset or a "
-        f"mapping of node kinds to rules, got {type(rule).__qualname__}"
+        f"rule must be a preset name ({', '.join(PRESETS)}), a rule object (a fxnx.credit.Rule, "
+        f"for every weighted layer), a fxnx.credit.Preset or a mapping of node kinds to rules, "
+        f"got {type(rule).__qualname__}"
     )
 
 
