@@ -89,7 +89,7 @@ def _trace(
     opaque: list[str] = []
     # torch.fx runs code on buffers as it traces (timm's BatchNormAct2d counts batches with
     # num_batches_tracked.add_(1)): the model's buffers are restored afterwards.
-    with preserved(model), _no_new_attributes(model), _no_proxies_kept(model), torch_nn_traceable():
+    with preserved(model), _as_before_tracing(model), torch_nn_traceable():
         # A proxy draws nothing: a random number drawn while tracing was drawn by the model's
         # Python code, and the graph holds it as a constant or as the branch it chose.
         with drawn(torch_rng=True) as draws:
@@ -189,35 +189,22 @@ def _is_fx_check(node: fx.Node) -> bool:
 
 
 @contextlib.contextmanager
-def _no_new_attributes(model: Any) -> Iterator[None]:
-    """Remove what tracing adds to the model when the block ends.
+def _as_before_tracing(model: Any) -> Iterator[None]:
+    """Leave the model's attributes as they were once the block ends, undoing what tracing
+    writes on it:
 
-    torch.fx stores each tensor constant it meets (``torch.tensor([...])`` in a
-    ``forward``) on the module it traces, as ``_tensor_constant0``, …; the
-    GraphModule keeps its own reference, so the user's model need not keep one.
-    Removing them also keeps the names the same from one trace to the next.
+    - each tensor constant torch.fx meets (``torch.tensor([...])`` in a ``forward``) is stored
+      on the root as ``_tensor_constant0``, …: removed (the GraphModule keeps its own
+      reference), which also keeps the names the same from one trace to the next;
+    - an attribute any module set to a torch.fx ``Proxy`` (a value it caches on itself): given
+      back, or removed if new; kept, the model's next call would compute with it. (What it
+      caches in a dict or list, such as timm LeViT's attention biases,
+      :func:`~fxnx._state.preserved` refills.)
     """
     if not isinstance(model, nn.Module):
         yield
         return
-    before = _own_attributes(model)
-    try:
-        yield
-    finally:
-        for name in sorted(_own_attributes(model) - before):
-            delattr(model, name)
-
-
-@contextlib.contextmanager
-def _no_proxies_kept(model: Any) -> Iterator[None]:
-    """Give back, when the block ends, each module attribute that the model set to a torch.fx
-    ``Proxy`` while traced (a value it caches as an attribute of its own), or remove it if it
-    is new: kept, the model's next call would compute with it. (What it caches in a dict or
-    list, such as timm LeViT's attention biases, :func:`~fxnx._state.preserved` refills.)
-    """
-    if not isinstance(model, nn.Module):
-        yield
-        return
+    root = _own_attributes(model)
     before = {id(m): (m, dict(vars(m))) for m in model.modules()}
     try:
         yield
@@ -229,6 +216,8 @@ def _no_proxies_kept(model: Any) -> Iterator[None]:
                         object.__setattr__(m, name, attributes[name])
                     else:
                         delattr(m, name)
+        for name in sorted(_own_attributes(model) - root):
+            delattr(model, name)
 
 
 def _own_attributes(module: nn.Module) -> set[str]:
