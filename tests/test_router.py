@@ -230,3 +230,39 @@ def test_a_rule_object_as_rule_is_that_rule_at_every_weighted_layer():
     spied = grads(Spy())
     assert sorted(set(seen)) == ["_0", "_2"]  # the two Linear layers, not tanh
     assert all(rel_error(a, b) <= 1e-12 for a, b in zip(spied, exact, strict=True))
+
+
+class _Defaults(nn.Module):
+    """A forward with a keyword convert fixes (``use_cache=False``, as Hugging Face models
+    have): a placeholder of the capture past the inputs a call gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, use_cache=True):
+        return self.fc2(torch.tanh(self.fc(x)) * (1.0 if use_cache else 2.0))
+
+
+def test_calls_that_leave_a_fixed_keyword_out_route_each_their_own_inputs():
+    """The placeholders past a call's inputs are passed on as the first call bound them: each
+    call's output is the model's under the fixed keyword, and feedback alignment with B = W is
+    autograd's, on every call (new inputs each time)."""
+    torch.manual_seed(0)
+    model = _Defaults().double()
+    xs = [torch.randn(5, 3, dtype=torch.float64) for _ in range(3)]
+    G = fxnx.convert(model, xs[0])
+    assert [n for n, kind in G.nodes(data="op") if kind == "placeholder"] == ["x", "use_cache"]
+    # captured by torch.export (the keyword decides a Python branch): F.linear nodes
+    mirror = {"linear": model.fc.weight.detach().clone(), "linear_1": model.fc2.weight.detach().clone()}
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment", feedback=mirror)
+    for x in xs:
+        x_ = x.clone().requires_grad_()
+        out = router(x_)
+        assert torch.equal(out, model(x, use_cache=False))
+        (out ** 2).sum().backward()
+        got = x_.grad
+        x_ = x.clone().requires_grad_()
+        (model(x_, use_cache=False) ** 2).sum().backward()
+        assert rel_error(got, x_.grad) <= 1e-12
+    assert router._tail == [False]  # the calls after the first took the unbound path

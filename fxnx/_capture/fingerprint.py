@@ -22,6 +22,7 @@ to nothing.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import types
@@ -41,6 +42,8 @@ _BUDGET = 1_000_000
 _PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
                     torch.layout, torch.memory_format, torch.Size, range, slice, type(Ellipsis)))
 _CONTAINERS = (tuple, list, set, frozenset)
+#: Containers whose emptiness says all there is to say of them.
+_EMPTIABLE = frozenset((dict, collections.OrderedDict, *_CONTAINERS))
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
               types.WrapperDescriptorType, types.MethodWrapperType, types.ModuleType)
 
@@ -90,11 +93,9 @@ def fingerprint(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
     # Parameters and buffers by identity alone: an optimizer step or BatchNorm's running
     # statistics write them in place, and the graph reads their values at run time.
     # Submodules by identity too: each has a fingerprint of its own where it matters.
-    registered = [(n, walk.same(t)) for m in modules for n, t in
-                  (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False),
-                   *m.named_children())]
-    own = [{k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
-           for m in modules]
+    registered = [(n, walk.same(t)) for m in modules for table in _REGISTERED
+                  for n, t in vars(m)[table].items() if t is not None]
+    own = [{k: v for k, v in vars(m).items() if k not in _REGISTERED} for m in modules]
     return tuple(registered), tuple(map(walk.value, own)), walk.value(global_module_hooks())
 
 
@@ -158,10 +159,11 @@ class _Walk:
         if isinstance(v, (nn.Module, torch.Tensor, type)):
             return _Same(v), version(v) if isinstance(v, torch.Tensor) else None
         if isinstance(v, dict):
-            return type(v), tuple((self.value(k), self.value(x)) for k, x in v.items())
+            self.left -= len(v)
+            return type(v), self.items(v), self.items(v.values())
         if isinstance(v, _CONTAINERS):
-            items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-            return type(v), tuple(self.value(x) for x in items)
+            self.left -= len(v)
+            return type(v), self.items(sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v)
         if type(v).__module__ == "numpy" and hasattr(v, "tobytes"):
             return type(v), str(v.dtype), getattr(v, "shape", ()), v.tobytes()
         if isinstance(v, types.MethodType):
@@ -174,6 +176,24 @@ class _Walk:
         if isinstance(v, _FUNCTIONS):
             return _Same(v)
         return self.object(v)
+
+    def items(self, values: Iterable[Any]) -> tuple[Any, ...]:
+        """:meth:`item` of each value, in order; plain values alone are taken as they are,
+        in C."""
+        values = tuple(values)
+        if all(map(_PLAIN.__contains__, map(type, values))):
+            return values
+        return tuple(map(self.item, values))
+
+    def item(self, v: Any) -> Any:
+        """:meth:`value` of a container's item; a plain one, or an empty container (a
+        module's hook tables), taken at once."""
+        kind = type(v)
+        if kind in _PLAIN:
+            return v
+        if kind in _EMPTIABLE and not v:
+            return kind
+        return self.value(v)
 
     def object(self, v: Any) -> Any:
         """An object of another class: its attributes, by value."""

@@ -80,16 +80,18 @@ def credit_norm(credit: Credit) -> float | None:
 
 def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
     """:func:`credit_norm` of each node's credit (the credits of one tensor all at once: one
-    norm each, read back together)."""
+    call for their norms, read back together)."""
     norms: dict[str, float | None] = {}
     single: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor]]] = {}
     for name, c in node_credit.items():
         if isinstance(c, Tensor):
             norms[name] = None  # its place, filled below
-            single.setdefault((c.dtype, c.device), []).append((name, torch.linalg.vector_norm(c.detach())))
+            single.setdefault((c.dtype, c.device), []).append((name, c.detach()))
         else:
             norms[name] = credit_norm(c)
     for group in single.values():
-        for (name, _), value in zip(group, torch.stack([n for _, n in group]).tolist(), strict=True):
-            norms[name] = float(value)
+        names, tensors = zip(*group, strict=True)
+        # torch.linalg.vector_norm of each tensor, in one call (clip_grad_norm_'s own)
+        values = torch.stack(torch._foreach_norm(list(tensors))).tolist()
+        norms.update(zip(names, map(float, values), strict=True))
     return norms

@@ -193,7 +193,7 @@ class CreditRouter(nn.Module):
         self._bound: dict[tuple[str, int, int], Any] = {}
         self._plan: Plan | None = None
         self._fast: dict[bool, tuple[Any, Graft, Capture]] = {}
-        self._positional = False
+        self._tail: list[Any] | None = None  # placeholders past the positional inputs
         #: Number of positional inputs to the keywords the model's own forward is called
         #: with besides them (what convert fixes), where binding leaves the inputs as given.
         self._fixed: dict[int, dict[str, Any]] = {}
@@ -408,8 +408,8 @@ class CreditRouter(nn.Module):
             if guard == self._guard(cap, inputs, kwargs, plain=run.plain):
                 if run.plain:
                     return run, []
-                if not collect and not kwargs and self._positional:
-                    return run, list(inputs)
+                if not collect and not kwargs and self._tail is not None:
+                    return run, [*inputs, *self._tail]
                 # not None: the guard holds, so these inputs bind as the last ones did
                 return run, cast(list[Any], placeholders_for(cap, self.model, inputs, kwargs, copy=collect))
         cap = recapture(self.G, self.model, inputs, kwargs, **self._capture)
@@ -441,13 +441,17 @@ class CreditRouter(nn.Module):
             self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
             self._fast[collect] = (self._guard(cap_, inputs, kwargs, plain=run.plain), run, cap_)
             if not collect:
-                # Inputs of this structure bind to the placeholders one by one, in order (the
-                # guard keeps the structure): later calls pass them on without binding them.
+                # Inputs of this structure bind to the first placeholders one by one, in order,
+                # and the rest take no tensor (defaults, fixed keywords): later calls pass the
+                # inputs on, followed by the same rest, without binding them (the guard keeps
+                # the structure).
                 bound = placeholders_for(cap_, self.model, inputs, kwargs, copy=False)
-                self._positional = (
-                    not kwargs and bound is not None and len(bound) == len(inputs)
-                    and all(a is b for a, b in zip(bound, inputs, strict=True))
-                )
+                n = len(inputs)
+                self._tail = bound[n:] if (
+                    not kwargs and bound is not None and len(bound) >= n
+                    and all(a is b for a, b in zip(bound[:n], inputs, strict=True))
+                    and not any(isinstance(v, Tensor) for v in pytree.tree_leaves(bound[n:]))
+                ) else None
         return run, cap.inputs or []
 
     def _probe(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Probe:

@@ -1,0 +1,113 @@
+"""The capture guard's fingerprint (``fxnx._capture.fingerprint``) against Python's own
+equality, on random nested attributes (hypothesis).
+
+A reused capture is only right while everything its trace read is unchanged, so the oracle
+is the attributes themselves: a deep copy (equal by ``==``, containers of the same types)
+gives an equal fingerprint, and any in-place change anywhere inside them (a leaf set to
+another value, an item added to a container, an empty container filled, a config object's
+field changed) gives another one.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import types
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fxnx._capture.fingerprint import fingerprint
+
+SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+LEAVES = st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=3)
+
+
+def _containers(children):
+    keys = st.text(max_size=2) | st.integers(0, 9)
+    return (
+        st.lists(children, max_size=4)
+        | st.lists(children, max_size=4).map(tuple)
+        | st.dictionaries(keys, children, max_size=4)
+        | st.dictionaries(keys, children, max_size=4).map(collections.OrderedDict)
+        | st.dictionaries(st.from_regex(r"[a-z]{1,3}", fullmatch=True), children, max_size=4).map(
+            lambda d: types.SimpleNamespace(**d))  # an object with a __dict__ (a config)
+    )
+
+
+NESTED = st.recursive(LEAVES, _containers, max_leaves=12)
+
+
+class Holder(nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
+def _mutable_places(value, path=()):
+    """Every container inside ``value``, as (path, container)."""
+    if isinstance(value, (list, dict, types.SimpleNamespace)):
+        yield path, value
+    items = (vars(value).items() if isinstance(value, types.SimpleNamespace)
+             else value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, (list, tuple)) else ())
+    for key, item in items:
+        yield from _mutable_places(item, (*path, key))
+
+
+def _changed(container, how: int) -> None:
+    """One change in place that Python's == sees."""
+    if isinstance(container, list):
+        if container and how % 2:
+            container[how % len(container)] = ("changed", how)
+        else:
+            container.append(how)
+    elif isinstance(container, dict):
+        container[("new", how)] = how  # a key no strategy draws
+    else:
+        setattr(container, f"new{how}", how)
+
+
+@SETTINGS
+@given(NESTED)
+def test_an_equal_copy_has_an_equal_fingerprint(value):
+    assert fingerprint([Holder(value)])[1:] == fingerprint([Holder(copy.deepcopy(value))])[1:]
+
+
+@SETTINGS
+@given(NESTED, st.data())
+def test_any_change_in_place_changes_the_fingerprint(value, data):
+    holder = Holder(value)
+    places = list(_mutable_places(value))
+    if not places:  # a leaf or tuples of leaves: rebinding the attribute is the change
+        before = fingerprint([holder])
+        holder.value = ("changed", value)
+        assert fingerprint([holder]) != before
+        return
+    _, container = data.draw(st.sampled_from(places))
+    before = fingerprint([holder])
+    _changed(container, data.draw(st.integers(0, 7)))
+    assert fingerprint([holder]) != before
+
+
+@SETTINGS
+@given(NESTED, NESTED)
+def test_fingerprints_are_equal_exactly_when_the_values_are(a, b):
+    same = _strictly_equal(a, b)
+    assert (fingerprint([Holder(a)])[1:] == fingerprint([Holder(b)])[1:]) == same
+
+
+def _strictly_equal(a, b) -> bool:
+    """Python's ==, with containers of the same types all the way down."""
+    if isinstance(a, types.SimpleNamespace) or isinstance(b, types.SimpleNamespace):
+        return type(a) is type(b) and _strictly_equal(vars(a), vars(b))
+    if isinstance(a, (list, tuple, dict)) or isinstance(b, (list, tuple, dict)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return False
+        if isinstance(a, dict):
+            return list(a) == list(b) and all(_strictly_equal(a[k], b[k]) for k in a)
+        return all(_strictly_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
