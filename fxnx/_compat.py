@@ -322,6 +322,17 @@ def version(tensor: torch.Tensor) -> int:
     return int(getattr(tensor, "_version", 0))
 
 
+def saved_tensors_hooks_calls() -> tuple[Callable[..., Any], Callable[[], Any]] | None:
+    """``push(pack, unpack)`` and ``pop()`` of autograd's default saved-tensor hooks: what
+    ``torch.autograd.graph.saved_tensors_hooks`` enters and leaves with, called without its
+    two Python frames (the router enters them once per weighted node of every forward);
+    None where this torch names them otherwise (use the context manager)."""
+    autograd = getattr(torch._C, "_autograd", None)
+    push = getattr(autograd, "_push_saved_tensors_default_hooks", None)
+    pop = getattr(autograd, "_pop_saved_tensors_default_hooks", None)
+    return (push, pop) if callable(push) and callable(pop) else None
+
+
 def global_module_hooks() -> tuple[Any, ...]:
     """The hooks registered for every module (``register_module_forward_hook`` and its
     kin), which run inside any forward; empty where this torch keeps them elsewhere."""

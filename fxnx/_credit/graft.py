@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .._callinfo import fetch_attr
 from .._capture.shapes import node_failure
-from .._compat import pytree, version
+from .._compat import pytree, saved_tensors_hooks_calls, version
 from .._errors import FxnxTypeError, FxnxValueError
 from .faithful import Probe, differs
 from .feedback import check_bytes, readable
@@ -414,14 +414,15 @@ class _NativeSpec:
         self.entry, self.call, self.rule = entry, call, entry.rule
         self.fn = call.module if call.module is not None else call.target
         self.weights = feedback_weights(call)  # parameter name to W
+        self.first = next(iter(self.weights))
         self.device = next(iter(self.weights.values())).device.type
         #: sign symmetry of its own kind: B made lazily from sign(W) and the magnitudes
         self.signs = isinstance(self.rule, SignSymmetry) and type(self.rule).feedback_for is SignSymmetry.feedback_for
         self.spans: list[tuple[int, int, Tensor, Any, Any]] = []  # start, end, W, B or M, given
         self.views: dict[tuple[Any, ...], Tensor] = {}
         self.hits = 0
-        unpack = _unpack if self.signs else _FIRST
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        self.unpack = _unpack if self.signs else _FIRST
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def use(self) -> None:
         """Take this call's feedback: ``B`` for each weight (laid out like ``W``), or for sign
@@ -435,9 +436,13 @@ class _NativeSpec:
             return
         feedback = self.rule.feedback_for(self.call)
         old = self.spans
-        if old and all(span[4] is feedback[name] and span[2].data_ptr() == span[0]
-                       for span, name in zip(old, self.weights, strict=True)):
-            return  # the same B (feedback alignment): its views are kept
+        if len(old) == 1:  # one weight (a linear or convolution layer): no loop
+            start, _, W, _, given = old[0]
+            if given is feedback[self.first] and W.data_ptr() == start:
+                return  # the same B (feedback alignment): its views are kept
+        elif old and all(span[4] is feedback[name] and span[2].data_ptr() == span[0]
+                         for span, name in zip(old, self.weights, strict=True)):
+            return
         spans = []
         for name, W in self.weights.items():
             given = feedback[name]
@@ -466,6 +471,7 @@ class _NativeSpec:
 
 
 _FIRST = operator.itemgetter(0)
+_HOOKS = saved_tensors_hooks_calls()
 
 
 class _SignOf:
@@ -508,8 +514,15 @@ def _native_call(spec: _NativeSpec, *args: Any, **kwargs: Any) -> Any:
         return _function_call(_FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
     spec.use()
     hits = spec.hits
-    with spec.hooks:
-        out = spec.fn(*args, **kwargs)
+    if _HOOKS is None:
+        with spec.hooks:
+            out = spec.fn(*args, **kwargs)
+    else:  # the same as the context manager, without its frames: once per layer and forward
+        _HOOKS[0](spec.pack, spec.unpack)
+        try:
+            out = spec.fn(*args, **kwargs)
+        finally:
+            _HOOKS[1]()
     if spec.hits == hits and _needs_input_credit(args, kwargs, spec.call):
         call = spec.call
         raise FxnxValueError(
