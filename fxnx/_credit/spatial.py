@@ -7,34 +7,37 @@ when the output credit ``e`` (``N × D``) is broadcast over its whole output
 grid, as BioTorch does (Sanfiz & Akrout, 2021). Since ``e`` is the same at
 every output position, that credit is, at each input position, the sum of
 ``K = e·B`` (``N × C_in × kernel``) over the kernel offsets that reach it from
-a valid output position: :meth:`Geometry.credit` computes it as the input
-gradient of a depthwise convolution with kernel ``K`` and an all-ones output
-gradient, so no ``N × D × H × W`` tensor is ever made.
+a valid output position. Which offsets reach which input positions depends on
+the geometry and the input's size alone: :func:`coverage` finds it once (as the
+input gradient of a convolution with one one-hot kernel per offset and an
+all-ones output gradient, run by autograd), a ``kernel × H × W`` matrix of 0s
+and 1s, and :meth:`Geometry.credit` is one matrix product of ``K`` with it. No
+``N × D × H × W`` tensor is ever made.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-import torch.nn.grad  # declares the submodule to type checkers; torch.nn imports it already
 from torch import Tensor
 
 from .kinds import CONVOLUTIONS
 from .nodecall import NodeCall
 
-__all__ = ["Geometry", "conv_geometry"]
+__all__ = ["Geometry", "conv_geometry", "coverage"]
 
 _aten = torch.ops.aten
 _FUNCTIONS = {
     F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, _aten.conv1d.default: 1, _aten.conv2d.default: 2,
     _aten.conv3d.default: 3, _aten.conv1d.padding: 1, _aten.conv2d.padding: 2, _aten.conv3d.padding: 3,
 }
-_INPUT_GRAD = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,30 +53,22 @@ class Geometry:
         """The credit at an input of ``shape`` for output credit ``e`` (``N × D``) through
         feedback kernel ``B`` (``D × C_in × kernel``)."""
         n, c, *size = shape
-        dims = len(size)
-        K = (e @ B.reshape(B.shape[0], -1)).reshape(n * c, 1, *self.kernel)
-        padding = self._explicit()
-        if padding is None:  # "same" with an odd total padding: let autograd place it
-            x = torch.zeros((1, n * c, *size), dtype=K.dtype, device=K.device, requires_grad=True)
-            with torch.enable_grad():
-                y = _conv(dims)(x, K, None, self.stride, self.padding, self.dilation, n * c)
-                (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
-            return g.reshape(shape)
-        out = [
-            (s + 2 * p - d * (k - 1) - 1) // st + 1
-            for s, p, d, k, st in zip(size, padding, self.dilation, self.kernel, self.stride, strict=True)
-        ]
-        ones = torch.ones((), dtype=K.dtype, device=K.device).expand(1, n * c, *out)
-        g = _INPUT_GRAD[dims]((1, n * c, *size), K, ones, self.stride, padding, self.dilation, n * c)
-        return g.reshape(shape)
+        K = (e @ B.reshape(B.shape[0], -1)).reshape(n * c, -1)  # N·C_in × kernel offsets
+        return (K @ coverage(self, tuple(size), K.dtype, K.device)).reshape(shape)
 
-    def _explicit(self) -> tuple[int, ...] | None:
-        if self.padding == "valid":
-            return (0,) * len(self.kernel)
-        if self.padding == "same":
-            total = [d * (k - 1) for d, k in zip(self.dilation, self.kernel, strict=True)]
-            return None if any(t % 2 for t in total) else tuple(t // 2 for t in total)
-        return self.padding  # type: ignore[return-value]
+
+@functools.lru_cache(maxsize=64)
+def coverage(geometry: Geometry, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Which kernel offsets reach each input position of ``size`` from a valid output
+    position: a ``kernel offsets × positions`` matrix of 0s and 1s (a column holds several
+    1s where a stride smaller than the kernel overlaps them), for :meth:`Geometry.credit`."""
+    dims, offsets = len(size), math.prod(geometry.kernel)
+    one_hot = torch.eye(offsets, dtype=dtype, device=device).reshape(offsets, 1, *geometry.kernel)
+    x = torch.zeros((1, offsets, *size), dtype=dtype, device=device, requires_grad=True)
+    with torch.enable_grad():
+        y = _conv(dims)(x, one_hot, None, geometry.stride, geometry.padding, geometry.dilation, offsets)
+        (reached,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    return reached.reshape(offsets, -1).to(dtype)  # 0s and 1s: exact in any dtype
 
 
 def conv_geometry(call: NodeCall) -> Geometry | None:
