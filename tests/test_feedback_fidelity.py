@@ -16,6 +16,8 @@ from torch import nn
 
 import fxnx
 
+from conftest import rel_error
+
 f64 = torch.float64
 
 
@@ -387,3 +389,25 @@ def test_every_preset_trains_the_digits_mlp_with_plain_sgd(rule):
     with torch.no_grad():
         error = float((model(x[1400:]).argmax(1) != y[1400:]).float().mean())
     assert error < 0.12, (rule, error)  # chance: 90%
+
+
+@pytest.mark.parametrize("dims, kernel, stride, padding, dilation", [
+    (1, (3,), (2,), (1,), (1,)), (1, (4,), (1,), "same", (1,)),
+    (3, (2, 3, 1), (1, 2, 1), (1, 0, 0), (2, 1, 1)), (3, (3, 3, 3), (1, 1, 1), "valid", (1, 1, 1)),
+], ids=["1d-stride", "1d-same-even", "3d-mixed", "3d-valid"])
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+def test_spatial_credit_is_a_convolution_with_b_of_the_broadcast_error(dims, kernel, stride, padding, dilation):
+    """Geometry.credit against autograd: the input gradient of a convolution with weight B
+    whose output gradient is e at every position of the grid (1-D and 3-D, every geometry)."""
+    from fxnx._credit.spatial import Geometry
+
+    torch.manual_seed(0)
+    size = (9, 7, 5)[:dims] if dims == 3 else (11,)
+    n, c, d = 2, 3, 4
+    e, B = torch.randn(n, d, dtype=f64), torch.randn(d, c, *kernel, dtype=f64)
+    z = torch.zeros((n, c, *size), dtype=f64, requires_grad=True)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    y = conv(z, B, None, stride, padding, dilation)
+    (want,) = torch.autograd.grad(y, z, e.reshape(n, d, *[1] * dims).expand_as(y))
+    got = Geometry(kernel, stride, padding, dilation).credit(e, B, (n, c, *size))
+    assert got.shape == want.shape and rel_error(got, want) <= 1e-12
