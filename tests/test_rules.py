@@ -163,6 +163,88 @@ def test_dfa_reaches_both_sides_of_a_skip():
     assert torch.allclose(res.node_credit["a"], e @ fb["b"] + e @ fb["head"], rtol=1e-12, atol=0)
 
 
+class _Logged(torch.autograd.Function):
+    """The identity, noting when the backward pass reaches it."""
+
+    @staticmethod
+    def forward(ctx, x, note, name):
+        ctx.note, ctx.name = note, name
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.note(("reached", ctx.name))
+        return g, None, None
+
+
+class _Mark(nn.Module):
+    def __init__(self, log, name):
+        super().__init__()
+        self.note, self.name = log.append, name  # not the list: route_credit restores lists
+
+    def forward(self, x):
+        return _Logged.apply(x, self.note, self.name)
+
+
+def test_dfa_sends_to_a_layer_when_the_backward_pass_reaches_it(monkeypatch):
+    """Each layer's input gets its projection of the output credit when autograd reaches the
+    layer, as exact credit would, not all at the output (where every projection would be
+    held at once: the memory of a whole backward pass). The credit is the same by hand."""
+    from fxnx._credit import graft
+
+    log = []
+    real = graft._TapSpec.send
+
+    def send(self, j, e, shape, dtype):
+        log.append(("sent", self.pairs[j][0].call.name))
+        return real(self, j, e, shape, dtype)
+
+    monkeypatch.setattr(graft._TapSpec, "send", send)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), _Mark(log, "_0"), nn.Tanh(), nn.Linear(7, 6), _Mark(log, "_3"),
+                          nn.Tanh(), nn.Linear(6, 3)).double()
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    G = fxnx.convert(model, x, leaf_modules=[_Mark])
+    res = fxnx.route_credit(G, model, x, rule="direct_feedback_alignment", output_credit=e)
+    # route_credit reports credit at the input too: the first layer is projected onto as well
+    assert log == [("sent", "_6"), ("reached", "_3"), ("sent", "_3"), ("reached", "_0"), ("sent", "_0")]
+    fb = res.feedback
+    assert rel_error(res.node_credit["_2"], e @ fb["_3"]) <= 1e-12
+    assert rel_error(res.node_credit["_5"], e @ fb["_6"]) <= 1e-12
+
+
+def test_dfa_into_a_value_written_in_place_is_the_same_credit():
+    """A layer whose output a ReLU(inplace=True) overwrites gets its projection at the output
+    instead (autograd forbids writing into what a custom function hands back as is): the same
+    credit as the model with ReLU()."""
+    def net(inplace):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=inplace), nn.Linear(7, 6),
+                             nn.ReLU(inplace=inplace), nn.Linear(6, 3)).double()
+
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    plain = fxnx.route_credit(fxnx.convert(net(False), x), net(False), x, rule="direct_feedback_alignment", output_credit=e)
+    model = net(True)
+    written = fxnx.route_credit(fxnx.convert(model, x), model, x, rule="direct_feedback_alignment",
+                                output_credit=e, feedback=plain.feedback)
+    for node in ("_1", "_3"):
+        assert rel_error(written.node_credit[node], plain.node_credit[node]) <= 1e-12
+    for name, g in plain.param_credit.items():
+        assert rel_error(written.param_credit[name], g) <= 1e-12, name
+
+
+def test_dfa_still_projects_onto_a_layer_whose_output_edge_is_removed():
+    """A layer cut off from the output in G (its one outgoing edge removed) still has its
+    input projected onto, as direct feedback defines, and its own weights get no credit."""
+    model = _mlp(5, 7, 6, 3)  # Linear, Tanh, Linear, Tanh, Linear
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    G = fxnx.convert(model, x)
+    G.remove_edge("_2", "_3")
+    res = fxnx.route_credit(G, model, x, rule="direct_feedback_alignment", output_credit=e)
+    assert rel_error(res.node_credit["_1"], e @ res.feedback["_2"]) <= 1e-12
+    assert res.param_credit.get("2.weight") is None or not res.param_credit["2.weight"].any()
+
+
 class _Attn(nn.Module):
     def __init__(self) -> None:
         super().__init__()

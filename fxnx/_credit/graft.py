@@ -20,8 +20,11 @@ left to say is, per node, how its credit goes back to its inputs:
   sign symmetry's ``sign(W)·M`` is made there, one layer at a time, and dropped
   after it.
 - **direct feedback alignment** runs the layer on its inputs detached (its
-  parameters get exact credit), and one autograd function at the model's output
-  sends each such input ``e·B``, ``e`` the credit at the output.
+  parameters get exact credit); an autograd function at the model's output takes
+  ``e``, the credit there, and one on the layer's output sends each such input
+  ``e·B`` when the backward pass reaches the layer (one projection alive at a
+  time, as exact credit would be). A layer whose output is written in place, or
+  that no edge of ``G`` joins to the output, gets its ``e·B`` at the output.
 - **any other rule** (a user's rule, attention, a layer without a transport of
   its own, anything under autocast) runs its node inside an
   :class:`autograd.Function <torch.autograd.Function>` whose backward calls the
@@ -185,6 +188,9 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
     env: dict[fx.Node, fx.Node] = {}
     state: fx.Node | None = None
     taps: list[tuple[Entry, int, fx.Node]] = []  # direct feedback: (entry, occurrence, value)
+    tap_spec, tap_node = _TapSpec(), None
+    credited = _credited(plan)
+    written = {victim for victims in probe.writers.values() for victim in victims}
     starred, names, collected = [], [], []
     origin: dict[str, fx.Node] = {}
     # Where a write runs out of place its victims keep their values; elsewhere each victim's
@@ -211,6 +217,12 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             with graph.inserting_after(last_placeholder):
                 state = graph.call_function(RoutingState, (), {"seed": seed})
         return state
+
+    def tap() -> fx.Node:
+        nonlocal tap_node
+        if tap_node is None:
+            tap_node = constant("tap", tap_spec)
+        return tap_node
 
     def collect_value(name: str, value: fx.Node) -> None:
         names.append(name)
@@ -245,15 +257,15 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
         if node.name in probe.observed:
             _check_seen_write(entry, kind, cut, probe)
         occ = _occurrence_values(node, env)
+        sent = []  # direct feedback: this node's places in the tap
         for k in sorted(set(cut) - entry.cut):
+            sent.append(tap_spec.add(entry, k))
             taps.append((entry, k, occ[k]))
         args, kwargs = _rewired(node, env, cut, graph)
         if node.op == "output":
             out = args[0]
             if taps or any(tier(e) == "function" for e in plan.entries):
-                out = graph.call_function(
-                    _tap, (constant("tap", _TapSpec([(entry, k) for entry, k, _ in taps])), routing_state(), out, *(v for *_, v in taps))
-                )
+                out = graph.call_function(_tap, (tap(), routing_state(), out, *(v for *_, v in taps)))
             graph.output((out, tuple(collected)) if collect else out)
             continue
         if node.op == "call_module":
@@ -271,6 +283,10 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             value = graph.call_function(_out_of_place, (constant("node", entry), *_occurrence_values(node, env, cut, graph)))
         else:
             value = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+        if sent and node.name in credited and node.name not in written | probe.shared | set(probe.writers):
+            # Direct feedback reaches the inputs when the backward pass reaches this node,
+            # as an exact input credit would, not all at once at the output.
+            value = graph.call_function(_receive, (tap(), routing_state(), tuple(sent), value, *(occ[k] for k in sorted(set(cut) - entry.cut))))
         origin[value.name] = node
         if collect and node.name in probe.shared and node.name not in apart:  # out of place: its own
             value = graph.call_function(_alias, (value,))
@@ -302,6 +318,19 @@ def _check_seen_write(entry: Entry, kind: str, cut: set[int], probe: Probe) -> N
             f"{call.labels[k]!r}), and a write cannot be cut from the value it writes into: "
             "remove the edges of the nodes that read the written value instead"
         )
+
+
+def _credited(plan: Plan) -> set[str]:
+    """The nodes whose value the backward pass reaches from the output along edges of ``G``
+    (a direct-feedback input always gets credit: at the output or from its node)."""
+    credited = {plan.entries[-1].node.name}
+    for entry in reversed(plan.entries):
+        call, direct = entry.call, tier(entry) == "direct"
+        projected = _projected(entry) if direct else set()
+        for k, source in enumerate(call.sources):
+            if k not in entry.cut and (call.name in credited or k in projected):
+                credited.add(source)
+    return credited
 
 
 def _projected(entry: Entry) -> set[int]:
@@ -717,11 +746,18 @@ class _TapSpec:
     it keeps across calls: the input shapes last checked, and each input's sender (see
     :meth:`DirectFeedbackAlignment.sender`) with the key it is valid for."""
 
-    def __init__(self, pairs: list[tuple[Entry, int]]) -> None:
-        self.pairs = pairs
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Entry, int]] = []
         self.checked: Any = None
-        self.drawn = not pairs
-        self.senders: list[tuple[Any, Any]] = [(None, None)] * len(pairs)
+        self.drawn = True
+        self.senders: list[tuple[Any, Any]] = []
+
+    def add(self, entry: Entry, k: int) -> int:
+        """Project onto ``entry``'s input occurrence ``k``; its place among the pairs."""
+        self.pairs.append((entry, k))
+        self.senders.append((None, None))
+        self.drawn = False
+        return len(self.pairs) - 1
 
     def send(self, j: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         key = (e.shape[1], e.dtype, shape, dtype)
@@ -782,11 +818,50 @@ class _Tap(torch.autograd.Function):
         sent: list[Tensor | None] = []
         spec = ctx.spec
         if spec.pairs:
-            e = torch.cat([g.reshape(g.shape[0], -1) for g in grads], 1)
+            e = ctx.state._direct = torch.cat([g.reshape(g.shape[0], -1) for g in grads], 1)
             needs = ctx.needs_input_grad[3 + len(slots):]
+            received = ctx.state._received
             for j, (shape, dtype, needed) in enumerate(zip(ctx.shapes, ctx.dtypes, needs, strict=True)):
-                sent.append(spec.send(j, e, shape, dtype) if needed else None)
+                sent.append(spec.send(j, e, shape, dtype) if needed and j not in received else None)
         return (None, None, None, *grads, *sent)
+
+
+def _receive(spec: _TapSpec, state: RoutingState, places: tuple[int, ...], value: Any, *inputs: Any) -> Any:
+    """``value``, a direct-feedback node's output, through :class:`_Receive`: its inputs
+    (the tap's ``places``) get their projection of the output credit when the backward pass
+    reaches the node. Left to the tap where there is nothing to receive or no tensor to
+    receive it by."""
+    wanted = [isinstance(x, Tensor) and x.requires_grad for x in inputs]
+    if not torch.is_grad_enabled() or not isinstance(value, Tensor) or not any(wanted):
+        return value
+    state._received.update(j for j, want in zip(places, wanted, strict=True) if want)
+    return _Receive.apply(spec, state, places, value, *inputs)
+
+
+class _Receive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, spec: _TapSpec, state: RoutingState, places: tuple[int, ...], value: Tensor, *inputs: Any) -> Tensor:  # type: ignore[override]
+        ctx.spec, ctx.state, ctx.places = spec, state, places
+        ctx.shapes = [x.shape if isinstance(x, Tensor) else None for x in inputs]
+        ctx.dtypes = [x.dtype if isinstance(x, Tensor) else None for x in inputs]
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        e, spec = ctx.state._direct, ctx.spec
+        if e is None:  # the output's tap sets it: the backward pass always passes it first
+            entry, _ = spec.pairs[ctx.places[0]]
+            raise FxnxValueError(
+                f"direct feedback alignment at node {entry.call.name!r}: credit reached it by "
+                "a path that does not pass through the router's output; compute the loss from "
+                "the output router(...) returned"
+            )
+        needs = ctx.needs_input_grad[4:]
+        sent = [
+            spec.send(j, e, shape, dtype) if needed else None
+            for j, shape, dtype, needed in zip(ctx.places, ctx.shapes, ctx.dtypes, needs, strict=True)
+        ]
+        return (None, None, None, credit, *sent)
 
 
 def _check_feedback_bytes(spec: list[tuple[Entry, int]], outs: Sequence[Tensor], projected: Sequence[Any]) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -75,6 +75,12 @@ class RoutingState:
 
     seed: int = 0
     output_credit: Any = None
+    #: Direct feedback's flattened output credit, ``N × D``, for the nodes that receive it
+    #: when the backward pass reaches them (fxnx's own; set before any of them runs).
+    _direct: Any = field(default=None, init=False, repr=False)
+    #: The direct-feedback inputs (their places in the run's tap) that this forward's nodes
+    #: receive themselves, rather than at the output.
+    _received: set[int] = field(default_factory=set, init=False, repr=False)
 
 
 class Rule:
