@@ -145,6 +145,18 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "a make_fx capture after such a thread may take another model's module paths",
     ),
     (
+        "torch._C._autograd._push_saved_tensors_default_hooks, "
+        "torch._C._autograd._pop_saved_tensors_default_hooks",
+        "weight transport: the saved-tensor hooks entered and left once per layer and forward "
+        "without the context manager's two Python frames",
+        "torch.autograd.graph.saved_tensors_hooks, the context manager (a little slower)",
+    ),
+    (
+        "torch._foreach_norm",
+        "route_credit's credit norms: the norm of every node's credit in one call",
+        "torch.linalg.vector_norm once per node (the same values)",
+    ),
+    (
         "torch.autograd.graph.Node._sequence_nr",
         "joint graphs: the module scope of each backward op",
         "backward ops take the scope their inputs share",
@@ -331,6 +343,15 @@ def saved_tensors_hooks_calls() -> tuple[Callable[..., Any], Callable[[], Any]] 
     push = getattr(autograd, "_push_saved_tensors_default_hooks", None)
     pop = getattr(autograd, "_pop_saved_tensors_default_hooks", None)
     return (push, pop) if callable(push) and callable(pop) else None
+
+
+def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``torch.linalg.vector_norm`` of each tensor (of one dtype and device), in one call
+    where this torch has it (``clip_grad_norm_``'s own)."""
+    foreach = getattr(torch, "_foreach_norm", None)
+    if callable(foreach):
+        return list(foreach(tensors))
+    return [torch.linalg.vector_norm(t) for t in tensors]
 
 
 def global_module_hooks() -> tuple[Any, ...]:

@@ -156,6 +156,32 @@ def test_joint_graph_without_sequence_numbers(monkeypatch):
     assert backward and G.graph["gradients"]["0.weight"] in G
 
 
+def test_norms_and_saved_tensor_hooks_without_their_private_names(monkeypatch):
+    """Without torch._foreach_norm the norms are vector_norm's, the same; without the hooks'
+    push and pop, weight transport enters the context manager: the same credit bit for bit."""
+    from fxnx._credit import graft
+
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.zeros(0)]
+    fast = _compat.vector_norms(tensors)
+    monkeypatch.delattr(torch, "_foreach_norm")
+    assert [float(a) for a in fast] == [float(b) for b in _compat.vector_norms(tensors)]
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+
+    def credit():
+        router = fxnx.CreditRouter(G, model, rule="feedback_alignment", seed=1)
+        x_ = x.clone().requires_grad_()
+        router(x_).pow(2).sum().backward()
+        return x_.grad
+
+    direct = credit()
+    monkeypatch.setattr(graft, "_HOOKS", None)
+    assert torch.equal(direct, credit())
+
+
 def test_conv_feedback_matches_the_layers_own_forward():
     """The padded-conv transport (functional_call with B) equals torch's conv with B by hand."""
     conv = torch.nn.Conv2d(2, 3, 3, padding="same", padding_mode="reflect").double()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import pytree
+from .._compat import pytree, vector_norms
 from .nodecall import Credit
 
 __all__ = ["CreditResult", "credit_norm", "credit_norms"]
@@ -91,7 +91,6 @@ def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
             norms[name] = credit_norm(c)
     for group in single.values():
         names, tensors = zip(*group, strict=True)
-        # torch.linalg.vector_norm of each tensor, in one call (clip_grad_norm_'s own)
-        values = torch.stack(torch._foreach_norm(list(tensors))).tolist()
+        values = torch.stack(vector_norms(list(tensors))).tolist()
         norms.update(zip(names, map(float, values), strict=True))
     return norms
