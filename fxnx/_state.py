@@ -61,6 +61,8 @@ def preserved(model: Any) -> Iterator[None]:
 
 #: nn.Module's own tables (parameters, buffers, submodules): changed only by the model's code.
 _TABLES = frozenset(vars(nn.Module()))
+#: Those of them that are dicts or lists.
+_OWN_DICTS = tuple(name for name, value in vars(nn.Module()).items() if type(value) in (dict, list))
 
 
 def _caches(model: Any) -> list[tuple[Any, Any]]:
@@ -68,12 +70,15 @@ def _caches(model: Any) -> list[tuple[Any, Any]]:
     contents."""
     if not isinstance(model, nn.Module):
         return []
-    return [
-        (value, type(value)(value))
-        for m in model.modules()
-        for name, value in vars(m).items()
-        if name not in _TABLES and type(value) in (dict, list)
-    ]
+    found = []
+    for m in model.modules():
+        own = vars(m)
+        kinds = list(map(type, own.values()))
+        if kinds.count(dict) + kinds.count(list) == sum(type(own.get(n)) in (dict, list) for n in _OWN_DICTS):
+            continue  # nn.Module's own tables alone (most modules): counted in C
+        found += [(value, type(value)(value)) for name, value in own.items()
+                  if name not in _TABLES and type(value) in (dict, list)]
+    return found
 
 
 def _refill(caches: list[tuple[Any, Any]]) -> None:

@@ -252,3 +252,22 @@ def test_an_attribute_a_model_sets_while_traced_is_given_back():
     del model.last
     fxnx.convert(model, x)
     assert not hasattr(model, "last")
+
+
+def test_preserved_gives_back_every_dict_and_list_a_module_holds():
+    """Caches on any module (a dict, a list, nested or at the top) get their contents back,
+    the same objects; modules holding none are passed over."""
+    from fxnx._state import preserved
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), _CachedBias()))
+    model[0].seen = []
+    model.top = {"kept": 1}
+    inner, seen, top = model[1][1].cache, model[0].seen, model.top
+    with preserved(model):
+        inner["cpu"] = torch.ones(1)
+        seen.append(3)
+        top["added"] = 2
+        del top["kept"]
+    assert model[1][1].cache is inner and inner == {}
+    assert model[0].seen is seen and seen == []
+    assert model.top is top and top == {"kept": 1}
