@@ -458,8 +458,8 @@ class _NativeSpec:
         symmetry the magnitudes ``M`` (drawn afresh at each call for brSF)."""
         if self.signs:
             magnitudes = self.rule.magnitudes(self.call)
-            self.spans = [
-                (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, magnitudes[name], None)
+            self.spans = [  # M read when unpacked (brSF draws it then)
+                (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, (magnitudes, name), None)
                 for name, W in self.weights.items()
             ]
             return
@@ -524,8 +524,13 @@ class _SignOf:
                     "between the forward pass and its backward pass, which reads sign(W) as the "
                     "forward pass saw it: call backward before changing the weights"
                 )
-            B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device)
-            torch.sign(W.detach(), out=B).mul_(self.M)
+            magnitudes, name = self.M
+            M = magnitudes[name]
+            if W.is_contiguous():  # sign keeps a dense layout: one allocation, two ops
+                B = torch.sign(W.detach()).mul_(M)
+            else:
+                B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device)
+                torch.sign(W.detach(), out=B).mul_(M)
             self.B = B.as_strided(self.size, self.stride, B.storage_offset() + self.offset)
         return self.B
 

@@ -31,8 +31,9 @@ the credit that reached the layer's output.
 from __future__ import annotations
 
 import copy
+import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -383,20 +384,56 @@ class SignSymmetry(_Drawn, Transport):
         """
         if self.magnitude == "batch_random":
             self._draws += 1
-            drawn = self._pending or {
-                p: self._draw(call, self._seed, f"{_key(call, p)}@{self._draws}", W.shape, W).abs_()
-                for p, W in feedback_weights(call).items()
-            }
+            if self._pending:
+                drawn: Mapping[str, Tensor] = self._pending
+            else:
+                draws = self._draws
+                drawn = _Later({
+                    p: functools.partial(self._draw, call, self._seed, f"{_key(call, p)}@{draws}", W.shape, W)
+                    for p, W in feedback_weights(call).items()
+                })
             self._magnitudes = drawn
             self._pending = None
-            self.feedback = _public(drawn)
+            self.feedback = drawn
         assert self._magnitudes is not None  # set by bind (uSF, frSF) or just above (brSF)
         return self._magnitudes
+
+    @property  # type: ignore[override]
+    def feedback(self) -> Any:
+        """``M`` (brSF: the last step's, drawn now if its backward pass has not drawn it) or
+        None (uSF)."""
+        held = self.__dict__.get("_feedback")
+        return _public(dict(held)) if isinstance(held, _Later) else held
+
+    @feedback.setter
+    def feedback(self, value: Any) -> None:
+        self.__dict__["_feedback"] = value
 
     def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
         if self._magnitudes is None:  # brSF before its first draw
             return {}
         return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in feedback_weights(call).items()}
+
+
+class _Later(Mapping[str, Tensor]):
+    """brSF's magnitudes for one step, each drawn (from its key: the same values whenever)
+    when first read: in the backward pass, as its layer's backward needs it, so that no
+    layer's ``M`` is held from the forward pass to the backward pass."""
+
+    def __init__(self, draws: dict[str, Callable[[], Tensor]]) -> None:
+        self._draws, self._drawn = draws, dict[str, Tensor]()
+
+    def __getitem__(self, name: str) -> Tensor:
+        got = self._drawn.get(name)
+        if got is None:
+            got = self._drawn[name] = self._draws[name]().abs_()
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._draws)
+
+    def __len__(self) -> int:
+        return len(self._draws)
 
 
 class DirectFeedbackAlignment(_Drawn):
