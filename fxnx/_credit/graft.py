@@ -189,8 +189,10 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
     state: fx.Node | None = None
     taps: list[tuple[Entry, int, fx.Node]] = []  # direct feedback: (entry, occurrence, value)
     tap_spec, tap_node = _TapSpec(), None
+    # Direct feedback stays at the output for a node written into, writing, or handing back
+    # a value another node holds, and for one the backward pass never reaches.
     credited = _credited(plan)
-    written = {victim for victims in probe.writers.values() for victim in victims}
+    at_output = {v for victims in probe.writers.values() for v in victims} | set(probe.writers) | probe.shared
     starred, names, collected = [], [], []
     origin: dict[str, fx.Node] = {}
     # Where a write runs out of place its victims keep their values; elsewhere each victim's
@@ -257,10 +259,9 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
         if node.name in probe.observed:
             _check_seen_write(entry, kind, cut, probe)
         occ = _occurrence_values(node, env)
-        sent = []  # direct feedback: this node's places in the tap
-        for k in sorted(set(cut) - entry.cut):
-            sent.append(tap_spec.add(entry, k))
-            taps.append((entry, k, occ[k]))
+        projected = sorted(set(cut) - entry.cut)  # direct feedback's inputs of this node
+        sent = [tap_spec.add(entry, k) for k in projected]  # their places in the tap
+        taps += [(entry, k, occ[k]) for k in projected]
         args, kwargs = _rewired(node, env, cut, graph)
         if node.op == "output":
             out = args[0]
@@ -283,10 +284,10 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             value = graph.call_function(_out_of_place, (constant("node", entry), *_occurrence_values(node, env, cut, graph)))
         else:
             value = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
-        if sent and node.name in credited and node.name not in written | probe.shared | set(probe.writers):
+        if sent and node.name in credited and node.name not in at_output:
             # Direct feedback reaches the inputs when the backward pass reaches this node,
             # as an exact input credit would, not all at once at the output.
-            value = graph.call_function(_receive, (tap(), routing_state(), tuple(sent), value, *(occ[k] for k in sorted(set(cut) - entry.cut))))
+            value = graph.call_function(_receive, (tap(), routing_state(), tuple(sent), value, *(occ[k] for k in projected)))
         origin[value.name] = node
         if collect and node.name in probe.shared and node.name not in apart:  # out of place: its own
             value = graph.call_function(_alias, (value,))
