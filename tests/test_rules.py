@@ -200,6 +200,7 @@ def test_dfa_sends_to_a_layer_when_the_backward_pass_reaches_it(monkeypatch):
         return real(self, j, e, shape, dtype)
 
     monkeypatch.setattr(graft._TapSpec, "send", send)
+    monkeypatch.setattr(graft, "_torch_own", lambda module: True)  # the marks pass credit on every call
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), _Mark(log, "_0"), nn.Tanh(), nn.Linear(7, 6), _Mark(log, "_3"),
                           nn.Tanh(), nn.Linear(6, 3)).double()
@@ -243,6 +244,72 @@ def test_dfa_still_projects_onto_a_layer_whose_output_edge_is_removed():
     res = fxnx.route_credit(G, model, x, rule="direct_feedback_alignment", output_credit=e)
     assert rel_error(res.node_credit["_1"], e @ res.feedback["_2"]) <= 1e-12
     assert res.param_credit.get("2.weight") is None or not res.param_credit["2.weight"].any()
+
+
+class _ThroughArgmax(nn.Module):
+    """``a`` is read only through ``argmax``: autograd never reaches it from the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.a, self.table, self.head = nn.Linear(5, 4), nn.Linear(4, 4), nn.Embedding(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h0 = torch.tanh(self.first(x))
+        return self.head(self.table(self.a(h0).argmax(-1)) + h0)
+
+
+def test_dfa_projects_onto_a_layer_that_credit_cannot_reach():
+    """Direct feedback goes to every layer's input, whatever lies between the layer and the
+    output: a layer read only through argmax has its input projected onto, on every step,
+    as the rule's formula says (e·B_a, plus the head's projection through the skip)."""
+    torch.manual_seed(0)
+    model, x, e = _ThroughArgmax().double(), torch.randn(6, 5, dtype=f64), torch.randn(6, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment", node_credit=True)
+    for step in range(3):  # the first forward finds `a` unreached; the next ones know it
+        model.zero_grad()
+        router(x)
+        res = router.backward(output_credit=e, node_credit=True)
+        fb = router.feedback
+        h0 = torch.tanh(x @ model.first.weight.detach().T + model.first.bias.detach())
+        d_h0 = e @ fb["a"] + e @ fb["head"]
+        assert rel_error(res.node_credit["tanh"], d_h0) <= 1e-12, step
+        assert rel_error(model.first.weight.grad, (d_h0 * (1 - h0**2)).T @ x) <= 1e-12, step
+        assert model.a.weight.grad is None, step  # nothing reaches a's own output
+
+
+class _Sometimes(nn.Module):
+    """Detaches its input on calls whose input sums to less than zero: kept whole, it cannot
+    be read ahead of the call."""
+
+    def forward(self, x):
+        return x.detach() if float(x.detach().sum()) < 0 else x
+
+
+class _Flaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.a, self.gate, self.head = nn.Linear(5, 4), nn.Linear(4, 4), _Sometimes(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h0 = torch.tanh(self.first(x))
+        return self.head(self.gate(self.a(h0)) + h0)
+
+
+def test_dfa_projects_through_a_module_that_detaches_on_some_calls():
+    """A module kept whole may pass credit on one call and not the next: the layer behind it
+    gets its projection on every call all the same."""
+    torch.manual_seed(0)
+    model, x, e = _Flaky().double(), torch.randn(6, 5, dtype=f64), torch.randn(6, 3, dtype=f64)
+    G = fxnx.convert(model, x, leaf_modules=[_Sometimes])
+    router = fxnx.CreditRouter(G, model, rule="direct_feedback_alignment", node_credit=True)
+    for bias in (10.0, -10.0, 10.0):  # passes, detaches, passes
+        with torch.no_grad():
+            model.a.bias.fill_(bias)
+        router(x)
+        res = router.backward(output_credit=e, node_credit=True)
+        fb = router.feedback
+        assert rel_error(res.node_credit["tanh"], e @ fb["a"] + e @ fb["head"]) <= 1e-12, bias
+        assert (res.param_credit.get("a.weight") is None) is (bias < 0), bias
 
 
 class _Attn(nn.Module):

@@ -50,7 +50,7 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._callinfo import fetch_attr
 from .._capture.shapes import node_failure
@@ -323,15 +323,23 @@ def _check_seen_write(entry: Entry, kind: str, cut: set[int], probe: Probe) -> N
 
 def _credited(plan: Plan) -> set[str]:
     """The nodes whose value the backward pass reaches from the output along edges of ``G``
-    (a direct-feedback input always gets credit: at the output or from its node)."""
+    (a direct-feedback input always gets credit: at the output or from its node), through
+    nodes that pass credit the same way on every call: not a module of the user's kept whole
+    (``leaf_modules``), whose forward could detach on one call and not the next.
+    :func:`_unreached` checks the rest (``argmax``, ``detach``) on the first forward."""
     credited = {plan.entries[-1].node.name}
     for entry in reversed(plan.entries):
         call, direct = entry.call, tier(entry) == "direct"
         projected = _projected(entry) if direct else set()
+        passes = call.name in credited and (call.module is None or _torch_own(call.module))
         for k, source in enumerate(call.sources):
-            if k not in entry.cut and (call.name in credited or k in projected):
+            if k not in entry.cut and (passes or k in projected):
                 credited.add(source)
     return credited
+
+
+def _torch_own(module: nn.Module) -> bool:
+    return type(module).__module__.split(".")[0] == "torch"
 
 
 def _projected(entry: Entry) -> set[int]:
@@ -757,6 +765,8 @@ class _TapSpec:
         self.checked: Any = None
         self.drawn = True
         self.senders: list[tuple[Any, Any]] = []
+        self.reach: Any = None  # the forward whose receivers were last checked (see _unreached)
+        self.unreached: set[int] = set()  # places whose node the backward pass does not reach
 
     def add(self, entry: Entry, k: int) -> int:
         """Project onto ``entry``'s input occurrence ``k``; its place among the pairs."""
@@ -780,6 +790,9 @@ def _tap(spec: _TapSpec, state: RoutingState, out: Any, *projected: Any) -> Any:
     slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
     if not slots:
         return out
+    if state._received and spec.reach != (slots, state._received):  # once per kind of forward
+        state._received -= _unreached(spec, [leaves[i] for i in slots], state._received)
+        spec.reach = (slots, set(state._received))
     tapped = _Tap.apply(spec, state, (leaves, tree, slots), *(leaves[i] for i in slots), *projected)
     for i, t in zip(slots, tapped if isinstance(tapped, tuple) else (tapped,), strict=True):
         leaves[i] = t
@@ -840,6 +853,8 @@ def _receive(spec: _TapSpec, state: RoutingState, places: tuple[int, ...], value
     wanted = [isinstance(x, Tensor) and x.requires_grad for x in inputs]
     if not torch.is_grad_enabled() or not isinstance(value, Tensor) or not any(wanted):
         return value
+    if spec.unreached and not spec.unreached.isdisjoint(places):
+        return value
     state._received.update(j for j, want in zip(places, wanted, strict=True) if want)
     return _Receive.apply(spec, state, places, value, *inputs)
 
@@ -868,6 +883,32 @@ class _Receive(torch.autograd.Function):
             for j, shape, dtype, needed in zip(ctx.places, ctx.shapes, ctx.dtypes, needs, strict=True)
         ]
         return (None, None, None, credit, *sent)
+
+
+def _unreached(spec: _TapSpec, outs: list[Tensor], received: set[int]) -> set[int]:
+    """The places in ``received`` whose :class:`_Receive` autograd's graph does not reach from
+    ``outs``: a node read only through what carries no credit (``argmax``, ``detach``, a
+    ``zeros_like``) by every path to the output. They get their projection at the output, as
+    direct feedback defines, and later forwards leave them to the output (``spec.unreached``).
+
+    Walks autograd's graph, once per kind of forward (what a captured graph records the same
+    way each time); :func:`_credited` has already left out what could differ from call to call.
+    """
+    receive = _Receive._backward_cls  # type: ignore[attr-defined]
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    reached: set[int] = set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if isinstance(fn, receive):
+            reached.update(fn.places)
+        stack.extend(f for f, _ in fn.next_functions if f is not None and f not in seen)
+    missed = received - reached
+    spec.unreached |= missed
+    return missed
 
 
 def _check_feedback_bytes(spec: list[tuple[Entry, int]], outs: Sequence[Tensor], projected: Sequence[Any]) -> None:
