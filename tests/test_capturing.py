@@ -271,3 +271,17 @@ def test_preserved_gives_back_every_dict_and_list_a_module_holds():
     assert model[1][1].cache is inner and inner == {}
     assert model[0].seen is seen and seen == []
     assert model.top is top and top == {"kept": 1}
+
+
+def test_capture_takes_one_tensor_as_the_one_input_and_refuses_other_args_by_name():
+    """``capture(model, x)`` is ``capture(model, (x,))`` (not a sequence of ``x``'s rows, which
+    failed on ``bool`` of a tensor); arguments of another kind get one error naming them."""
+    model, x = nn.Linear(2, 3), torch.randn(4, 2)
+    one, tupled = fxnx.capture(model, x), fxnx.capture(model, (x,))
+    shapes = [n.meta["tensor_meta"].shape for n in one.gm.graph.nodes if n.op != "output"]
+    assert shapes[0] == (4, 2) and shapes[-1] == (4, 3)
+    assert str(one.gm.graph) == str(tupled.gm.graph)
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="args must be a tuple or list of example inputs.*got dict"):
+        fxnx.capture(model, {"input": x})
+    with pytest.raises(fxnx.errors.FxnxTypeError, match="kwargs must be a mapping.*got list"):
+        fxnx.capture(model, (x,), [x])

@@ -140,7 +140,8 @@ def capture(
         The model. A ``GraphModule`` is used as it is, without tracing again
         (a copy of its graph receives the metadata; the original is untouched).
     args, kwargs : example inputs
-        Passed to the model's ``forward``. With neither, and a ``forward`` that
+        Passed to the model's ``forward``: a tuple or list of positional inputs (one
+        tensor stands for ``(x,)``) and a mapping of keyword inputs. With neither, and a ``forward`` that
         needs inputs, nothing runs and shapes stay unknown.
     leaf_modules : iterable of module classes, qualified submodule names or "torch.nn"
         Modules to keep whole as single ``call_module`` nodes instead of
@@ -237,6 +238,19 @@ def capture_with(
         return _capture(model, args, kwargs, options, propagate, input_shape, dtype, fake)
 
 
+def _example_args(args: Any) -> Sequence[Any]:
+    """``args`` as a sequence of positional inputs: one tensor stands for itself, as in
+    ``capture(model, x)``, never for the sequence of its rows."""
+    if isinstance(args, torch.Tensor):
+        return (args,)
+    if not isinstance(args, (tuple, list)):
+        raise FxnxTypeError(
+            f"args must be a tuple or list of example inputs (or one tensor), got "
+            f"{type(args).__qualname__}: capture(model, (x, y)); keyword inputs go in kwargs=..."
+        )
+    return args
+
+
 def _capture(
     model: nn.Module | Callable[..., Any],
     args: Sequence[Any],
@@ -247,6 +261,12 @@ def _capture(
     dtype: torch.dtype,
     fake: bool,
 ) -> Capture:
+    args = _example_args(args)
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise FxnxTypeError(
+            f"kwargs must be a mapping of keyword inputs, got {type(kwargs).__qualname__}; pass "
+            "positional inputs as args, e.g. capture(model, (x,))"
+        )
     kwargs = dict(kwargs or {})
     if not isinstance(model, nn.Module) and not callable(model):
         hint = ""
