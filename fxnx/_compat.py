@@ -34,6 +34,7 @@ __all__ = [
     "decomposes",
     "drop_annotations",
     "extract_tensor_metadata",
+    "global_backward_hooks",
     "global_module_hooks",
     "graph_module",
     "is_fake",
@@ -114,8 +115,9 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
     (
         "torch.nn.modules.module._global_forward_hooks and the other global hook tables",
         "capture reuse: a hook registered for every module since the capture makes fxnx "
-        "capture again",
-        "a global hook registered after the capture is not seen by a reused capture",
+        "capture again; credit over a captured graph refuses global backward hooks",
+        "a global hook registered after the capture is not seen by a reused capture, nor a "
+        "global backward hook by a credit run",
     ),
     (
         "torch.Tensor._version",
@@ -352,6 +354,15 @@ def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if callable(foreach):
         return list(foreach(tensors))
     return [torch.linalg.vector_norm(t) for t in tensors]
+
+
+def global_backward_hooks() -> bool:
+    """Whether a backward hook is registered for every module
+    (``register_module_full_backward_hook`` and its pre-hook kin); False where this torch
+    keeps them elsewhere."""
+    from torch.nn.modules import module
+
+    return any(getattr(module, name, None) for name in ("_global_backward_pre_hooks", "_global_backward_hooks"))
 
 
 def global_module_hooks() -> tuple[Any, ...]:

@@ -455,3 +455,88 @@ def test_leaf_modules_on_an_aten_route_are_not_silently_ignored():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fxnx.convert(model, x, leaf_modules=[Block])  # symbolic_trace keeps it whole: no warning
+
+
+class _FixedTarget(nn.Module):
+    """``b`` runs under ``torch.no_grad()`` in the forward: no credit passes through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            g = self.b(h)
+        return self.c(h * g)
+
+
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+def test_a_no_grad_block_in_forward_passes_no_credit(routes):
+    """A symbolic trace does not record ``torch.no_grad()``: the credit run replays it, so
+    exact credit is autograd's (bit for bit), and no rule routes credit through ``b``."""
+    torch.manual_seed(0)
+    model, x, e = _FixedTarget().double(), torch.randn(5, 3, dtype=F64), torch.randn(5, 2, dtype=F64)
+    x_ = x.clone().requires_grad_()
+    (model(x_) * e).sum().backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad()
+    G = fxnx.convert(model, x, routes=routes)
+    res = fxnx.route_credit(G, model, x, rule="exact", output_credit=e)
+    assert want["b.weight"] is None and "b.weight" not in res.param_credit
+    for name in ("a.weight", "a.bias", "c.weight"):
+        assert torch.equal(res.param_credit[name], want[name]), name
+    router = fxnx.CreditRouter(G, model, rule="exact", node_credit=True)
+    x2 = x.clone().requires_grad_()
+    (router(x2) * e).sum().backward()
+    assert torch.equal(x2.grad, x_.grad) and model.b.weight.grad is None
+    assert torch.equal(model.a.weight.grad, want["a.weight"])
+    for rule in ("feedback_alignment", "direct_feedback_alignment"):
+        model.zero_grad()
+        router = fxnx.CreditRouter(G, model, rule=rule)
+        (router(x) * e).sum().backward()
+        assert model.b.weight.grad is None and model.a.weight.grad is not None, rule
+
+
+def test_backward_hooks_a_captured_graph_would_leave_out_are_refused():
+    """A backward hook on a module whose forward was traced through (the model itself, a
+    container) would not run in a credit run over the captured graph: refused, naming the
+    module; on a layer the graph calls whole it runs, and credit equals autograd's."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+    model = nn.Sequential(inner, nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    handle = inner.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 5,))
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"module '0' \(Sequential\) has a backward hook.*leaf_modules=\['0'\]"):
+        fxnx.route_credit(G, model, x, rule="exact")
+    router = fxnx.CreditRouter(G, model, rule="exact", node_credit=True)
+    with pytest.raises(fxnx.errors.FxnxValueError, match="has a backward hook"):
+        router(x)
+    handle.remove()
+    model.register_full_backward_pre_hook(lambda mod, gout: (gout[0] * 5,))
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"the model \(Sequential\) has a backward hook"):
+        fxnx.CreditRouter(G, model, rule="feedback_alignment")(x)
+    model._backward_pre_hooks.clear()
+    inner[0].register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 5,))  # called whole: it runs
+    x_, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(x_).sum().backward()
+    fxnx.CreditRouter(G, model, rule="exact", node_credit=True)(x2).sum().backward()
+    assert torch.equal(x2.grad, x_.grad)
+
+
+def test_router_backward_credits_a_parameter_replaced_in_a_layer_called_whole():
+    """A layer the graph calls whole reads the parameter it holds now: one replaced after a
+    step gets its credit from ``router.backward`` as from autograd."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="exact", node_credit=True)
+    router.backward(router(x).sum())
+    model[0].weight = nn.Parameter(torch.randn(4, 3, dtype=F64))
+    model.zero_grad()
+    res = router.backward(router(x).sum())
+    got = model[0].weight.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    assert torch.equal(got, model[0].weight.grad) and torch.equal(res.param_credit["0.weight"], got)

@@ -42,9 +42,14 @@ from .._state import preserved
 from .options import CLASS_PREFIX, TORCH_NN
 
 __all__ = [
-    "KEPT_WHOLE", "NeedValue", "Tracer", "evaluate", "is_torch_nn", "mha_fast_path_off",
+    "KEPT_WHOLE", "NO_GRAD", "NeedValue", "Tracer", "evaluate", "is_torch_nn", "mha_fast_path_off",
     "torch_nn_traceable",
 ]
+
+#: The ``meta`` key of a node the model's forward ran with gradients off (inside
+#: ``torch.no_grad()``, ``torch.inference_mode()`` or after ``torch.set_grad_enabled(False)``),
+#: which a symbolic trace does not record: no credit passes through it in the model.
+NO_GRAD = "fxnx_no_grad"
 
 #: ``torch.nn`` modules with submodules that stay whole anyway: ``nn.MultiheadAttention``'s
 #: forward is one functional call with much control flow (and its own fast path).
@@ -131,7 +136,17 @@ class Tracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._tensor_names = None  # the root's parameters and buffers, named afresh per trace
-        return super().trace(root, concrete_args)
+        with torch.enable_grad():  # so that a node made with gradients off is the model's doing
+            return super().trace(root, concrete_args)
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not torch.is_grad_enabled() and kind.startswith("call_"):
+            # Under torch.no_grad() (or inference_mode) in the model's forward, which the graph
+            # does not record: credit runs replay it (NO_GRAD).
+            node.meta[NO_GRAD] = True
+        return node
 
     # torch.fx patches nn.Module's __call__ and __getattr__ for every thread while it traces;
     # another thread running a model meanwhile gets plain calls and values, not recorded.

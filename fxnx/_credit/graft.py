@@ -54,12 +54,13 @@ from torch import Tensor, nn
 
 from .._callinfo import fetch_attr
 from .._capture.shapes import node_failure
+from .._capture.tracer import NO_GRAD
 from .._compat import pytree, saved_tensors_hooks_calls, version
 from .._errors import FxnxTypeError, FxnxValueError
 from .faithful import Probe, differs
 from .feedback import check_bytes, readable
 from .kinds import NATIVE_FUNCTIONS, WEIGHTED_MODULES
-from .nodecall import Credit, NodeCall, fresh_leaf, run_node, runs_out_of_place
+from .nodecall import Credit, NodeCall, call_target, fresh_leaf, run_node, runs_out_of_place
 from .plan import Entry, Plan
 from .rules import DirectFeedbackAlignment, Exact, RoutingState, SignSymmetry, Transport
 from .transport import feedback_weights
@@ -278,6 +279,8 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
         elif kind == "function":
             spec = constant("rule", _FunctionSpec.of(entry))
             value = graph.call_function(_function_call, (spec, routing_state(), *_occurrence_values(node, env, cut, graph)))
+        elif node.meta.get(NO_GRAD):  # as the model runs it: with gradients off
+            value = graph.call_function(_without_grad, (constant("node", entry), *_occurrence_values(node, env, cut, graph)))
         elif (node.name in apart or (runs_out_of_place(node) and node.name not in probe.writers)) and (collect or cut):
             # Out of place, where nothing reads what it writes: the credit of a written value
             # is its own (collect), and a cut input must not be written through its detached alias.
@@ -424,6 +427,12 @@ def _rebuilt(entry: Entry, values: Sequence[Any]) -> tuple[Any, Any]:
         fx.node.map_arg(node.args, lambda _: next(feed)),
         fx.node.map_arg(node.kwargs, lambda _: next(feed)),
     )
+
+
+def _without_grad(entry: Entry, *values: Any) -> Any:
+    args, kwargs = _rebuilt(entry, values)
+    with torch.no_grad():  # in place where the model writes in place (an EMA's buffers)
+        return call_target(entry.node.op, entry.node.target, entry.call.module, args, kwargs)
 
 
 def _out_of_place(entry: Entry, *values: Any) -> Any:
@@ -894,7 +903,6 @@ def _unreached(spec: _TapSpec, outs: list[Tensor], received: set[int]) -> set[in
     Walks autograd's graph, once per kind of forward (what a captured graph records the same
     way each time); :func:`_credited` has already left out what could differ from call to call.
     """
-    receive = _Receive._backward_cls  # type: ignore[attr-defined]
     seen: set[Any] = set()
     stack = [t.grad_fn for t in outs if t.grad_fn is not None]
     reached: set[int] = set()
@@ -903,7 +911,7 @@ def _unreached(spec: _TapSpec, outs: list[Tensor], received: set[int]) -> set[in
         if fn in seen:
             continue
         seen.add(fn)
-        if isinstance(fn, receive):
+        if getattr(fn, "spec", None) is spec and hasattr(fn, "places"):  # a _Receive of this tap
             reached.update(fn.places)
         stack.extend(f for f, _ in fn.next_functions if f is not None and f not in seen)
     missed = received - reached

@@ -22,9 +22,13 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._callinfo import bind_call, fetch_attr, occurrences
+from .._capture.tracer import NO_GRAD
 from .._compat import pytree
 from .._errors import FxnxValueError
 from .nodecall import NodeCall, call_target, written_input
+from .rules import Exact
+
+_EXACT = Exact()
 
 __all__ = ["Entry", "Plan", "compile_plan"]
 
@@ -99,7 +103,8 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
         matched = set(_match_edges(G, call).values())
         entry.cut = frozenset(k for k in range(len(call.sources)) if k not in matched)
         if call.op != "output":
-            entry.rule, entry.rule_name = choose(call)
+            # A node the model runs with gradients off passes no credit, whatever the rule.
+            entry.rule, entry.rule_name = (_EXACT, "exact") if entry.node.meta.get(NO_GRAD) else choose(call)
     params = {}
     for entry in entries.values():
         params.update(entry.call.params)

@@ -29,7 +29,7 @@ from .._errors import FxnxError, FxnxTypeError, FxnxValueError
 from .._state import preserved
 from . import feedback as fb
 from .compare import cosine_angle, flat
-from .faithful import Probe, differs, probe
+from .faithful import Probe, check_backward_hooks, differs, probe
 from .graft import Graft, graft
 from .nodecall import NodeCall
 from .plan import Plan, compile_plan
@@ -305,8 +305,11 @@ class CreditRouter(nn.Module):
                      if isinstance(t, Tensor) and isinstance(g, Tensor) and t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
         params = run.plan.params
-        if run.plain and isinstance(self.model, nn.Module):  # the model as it is now
-            params = dict(self.model.named_parameters())
+        if isinstance(self.model, nn.Module):  # the model as it is now
+            live = dict(self.model.named_parameters())
+            # A layer the graph calls whole reads its parameters as they are now (one replaced
+            # since the plan was made included); the rest are the capture's own.
+            params = live if run.plain else {n: live.get(n, p) for n, p in params.items()}
         params = {n: p for n, p in params.items() if p.requires_grad}
         names = [*run.names, _RESULT] if node_credit else [_RESULT]
         try:
@@ -439,6 +442,8 @@ class CreditRouter(nn.Module):
         if isinstance(self.model, nn.Module):
             cap_ = dataclasses.replace(cap, model=None, inputs=None)
             self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
+            if not run.plain:  # the guard holds the hook tables: a hook added comes back here
+                check_backward_hooks(self.model, self._watched[id(cap.gm)])
             self._fast[collect] = (self._guard(cap_, inputs, kwargs, plain=run.plain), run, cap_)
             if not collect:
                 # Inputs of this structure bind to the first placeholders one by one, in order,
