@@ -540,3 +540,75 @@ def test_router_backward_credits_a_parameter_replaced_in_a_layer_called_whole():
     model.zero_grad()
     model(x).sum().backward()
     assert torch.equal(got, model[0].weight.grad) and torch.equal(res.param_credit["0.weight"], got)
+
+
+class _RunningMean(nn.Module):
+    """Writes its buffers in forward, with operations on the buffers alone (no input in
+    them): a trace that read buffers as constants ran these once, while tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.register_buffer("acc", torch.zeros(3))
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        h = self.a(x)
+        self.acc.mul_(0.5).add_(h.detach().mean(0))
+        out = (h + self.acc) * (1 + self.steps)
+        self.steps.add_(1)
+        return out
+
+
+@pytest.mark.parametrize("rule", ["exact", "feedback_alignment"])
+def test_buffers_written_in_forward_change_as_in_the_model(rule):
+    """Step after step the router's output, gradients and buffers are the model's own
+    (a deep copy trained with autograd): rule ``exact`` runs the captured graph here
+    (node_credit), and feedback alignment on a single layer is exact on it."""
+    torch.manual_seed(0)
+    model = _RunningMean().double()
+    twin = copy.deepcopy(model)
+    x = torch.randn(5, 3, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, node_credit=rule == "exact")
+    for step in range(3):
+        model.zero_grad()
+        twin.zero_grad()
+        out, want = router(x), twin(x)
+        out.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        assert torch.equal(out, want), step
+        assert torch.equal(model.acc, twin.acc) and torch.equal(model.steps, twin.steps), step
+        assert torch.equal(model.a.weight.grad, twin.a.weight.grad), step
+
+
+_SCALE = 2.0
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)) * _SCALE)
+
+
+def test_a_global_the_forward_reads_is_not_baked_into_a_reused_capture(monkeypatch):
+    """A trace bakes ``_SCALE`` in as a constant: once it changes, the capture is made
+    again (by the router, by route_credit, by a new router), never reused."""
+    torch.manual_seed(0)
+    model, x = _Scaled().double(), torch.randn(5, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model, rule="exact", node_credit=True)
+    router(x).sum().backward()
+    monkeypatch.setitem(globals(), "_SCALE", 5.0)
+    model.zero_grad()
+    out = router(x)
+    out.sum().backward()
+    got = model.b.weight.grad.clone()
+    model.zero_grad()
+    want = model(x)
+    want.sum().backward()
+    assert torch.equal(out, want) and torch.equal(got, model.b.weight.grad)
+    assert torch.equal(fxnx.route_credit(G, model, x, rule="exact").output, want.detach())
+    assert torch.equal(fxnx.CreditRouter(G, model, rule="feedback_alignment")(x), want)

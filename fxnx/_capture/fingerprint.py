@@ -14,7 +14,10 @@ fingerprint holds every attribute of every module *by value*, all the way down:
   tensor with its in-place write count, a function with its defaults and the
   values its closure holds;
 - anything else (an object none of these describe) as a value equal to nothing, so
-  the model is captured again every time rather than reused on a guess.
+  the model is captured again every time rather than reused on a guess;
+- the module-level globals each ``forward`` names (``SCALE`` in ``x * SCALE``, which a
+  trace bakes in as a constant): plain ones by value, others by identity (a global
+  rebound to another object is seen; one changed in place, such as a list, is not).
 
 The walk is bounded: past :data:`_BUDGET` values the fingerprint is again equal
 to nothing.
@@ -96,7 +99,55 @@ def fingerprint(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
     registered = [(n, walk.same(t)) for m in modules for table in _REGISTERED
                   for n, t in vars(m)[table].items() if t is not None]
     own = [{k: v for k, v in vars(m).items() if k not in _REGISTERED} for m in modules]
-    return tuple(registered), tuple(map(walk.value, own)), walk.value(global_module_hooks())
+    return (tuple(registered), tuple(map(walk.value, own)), walk.value(global_module_hooks()),
+            _globals_read(modules))
+
+
+def _globals_read(modules: list[nn.Module]) -> tuple[Any, ...]:
+    """The module-level globals the ``forward`` of each of ``modules`` names, each distinct
+    function once: plain values as they are, other objects by identity (held)."""
+    seen: set[int] = set()
+    names: list[tuple[str, Any]] = []
+    held: list[Any] = []
+    for m in modules:
+        forward = vars(m).get("forward") or type(m).forward
+        fn = getattr(forward, "__func__", forward)
+        code, table = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is None or not isinstance(table, dict) or id(code) in seen:
+            continue
+        seen.add(id(code))
+        for name in _global_names(code):
+            if name in table:
+                value = table[name]
+                names.append((name, value if type(value) in _PLAIN else id(value)))
+                held.append(value)
+    return tuple(names), _Held(held)
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` (and the functions and comprehensions inside it) may load."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _global_names(const)
+    return tuple(dict.fromkeys(names))
+
+
+class _Held:
+    """Objects a fingerprint compares by ``id`` elsewhere, kept alive so that no other object
+    takes an ``id`` while the fingerprint lives; equal to any other."""
+
+    __slots__ = ("objs",)
+
+    def __init__(self, objs: list[Any]) -> None:
+        self.objs = objs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held)
+
+    def __hash__(self) -> int:
+        return 0
 
 
 def structure(modules: Iterable[nn.Module]) -> tuple[Any, ...]:

@@ -124,6 +124,7 @@ class Tracer(fx.Tracer):
 
     def __init__(self, leaf_modules: tuple[str, ...], answers: list[Any] | None) -> None:
         super().__init__()
+        self.proxy_buffer_attributes = True
         self.leaf_paths = frozenset(s for s in leaf_modules if not s.startswith(CLASS_PREFIX))
         self.leaf_classes = frozenset(
             s[len(CLASS_PREFIX) :] for s in leaf_modules if s.startswith(CLASS_PREFIX)
