@@ -34,7 +34,7 @@ __all__ = [
     "decomposes",
     "drop_annotations",
     "extract_tensor_metadata",
-    "global_backward_hooks",
+    "global_hooks",
     "global_module_hooks",
     "graph_module",
     "is_fake",
@@ -115,9 +115,9 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
     (
         "torch.nn.modules.module._global_forward_hooks and the other global hook tables",
         "capture reuse: a hook registered for every module since the capture makes fxnx "
-        "capture again; credit over a captured graph refuses global backward hooks",
+        "capture again; credit over a captured graph refuses global hooks",
         "a global hook registered after the capture is not seen by a reused capture, nor a "
-        "global backward hook by a credit run",
+        "global hook by a credit run",
     ),
     (
         "torch.Tensor._version",
@@ -356,13 +356,17 @@ def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(t) for t in tensors]
 
 
-def global_backward_hooks() -> bool:
-    """Whether a backward hook is registered for every module
-    (``register_module_full_backward_hook`` and its pre-hook kin); False where this torch
-    keeps them elsewhere."""
+def global_hooks() -> tuple[bool, bool]:
+    """Whether a backward hook, and whether a forward hook, is registered for every module
+    (``register_module_full_backward_hook``, ``register_module_forward_hook`` and their
+    pre-hook kin); False where this torch keeps them elsewhere."""
     from torch.nn.modules import module
 
-    return any(getattr(module, name, None) for name in ("_global_backward_pre_hooks", "_global_backward_hooks"))
+    def any_of(*names: str) -> bool:
+        return any(getattr(module, name, None) for name in names)
+
+    return (any_of("_global_backward_pre_hooks", "_global_backward_hooks"),
+            any_of("_global_forward_pre_hooks", "_global_forward_hooks"))
 
 
 def global_module_hooks() -> tuple[Any, ...]:

@@ -498,10 +498,11 @@ def test_a_no_grad_block_in_forward_passes_no_credit(routes):
         assert model.b.weight.grad is None and model.a.weight.grad is not None, rule
 
 
-def test_backward_hooks_a_captured_graph_would_leave_out_are_refused():
+def test_hooks_a_captured_graph_would_leave_out_are_refused():
     """A backward hook on a module whose forward was traced through (the model itself, a
-    container) would not run in a credit run over the captured graph: refused, naming the
-    module; on a layer the graph calls whole it runs, and credit equals autograd's."""
+    container), or a forward hook on the model itself, would not run in a credit run over
+    the captured graph: refused, naming the module; on a layer the graph calls whole a hook
+    runs, and credit equals autograd's."""
     torch.manual_seed(0)
     inner = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
     model = nn.Sequential(inner, nn.Linear(4, 2)).double()
@@ -518,6 +519,11 @@ def test_backward_hooks_a_captured_graph_would_leave_out_are_refused():
     with pytest.raises(fxnx.errors.FxnxValueError, match=r"the model \(Sequential\) has a backward hook"):
         fxnx.CreditRouter(G, model, rule="feedback_alignment")(x)
     model._backward_pre_hooks.clear()
+    logged = []
+    handle = model.register_forward_hook(lambda mod, args, out: logged.append(out.shape))
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"the model \(Sequential\) has a forward hook"):
+        fxnx.route_credit(G, model, x, rule="exact")
+    handle.remove()
     inner[0].register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 5,))  # called whole: it runs
     x_, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     model(x_).sum().backward()

@@ -12,9 +12,9 @@ a write no later node reads may run out of place.
 The same run gives the captured graph's output on these inputs. The credit run is checked
 against it the first time it runs (:func:`differs`, once per graft, so later calls pay
 nothing), and the captured graph against ``model(...)`` itself once per capture
-(:mod:`.router`): a credit run never returns an output the model would not. What no output
-can show, backward hooks of modules the capture traced through, is refused
-(:func:`check_backward_hooks`).
+(:mod:`.router`): a credit run never returns an output the model would not. What a trace
+leaves out, hooks it never ran, is refused
+(:func:`check_hooks`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._capture.shapes import mutable, node_failure
-from .._compat import global_backward_hooks, pytree, version
+from .._compat import global_hooks, pytree, version
 from .._errors import FxnxValueError
 
-__all__ = ["Probe", "check_backward_hooks", "differs", "probe"]
+__all__ = ["Probe", "check_hooks", "differs", "probe"]
 
 
 @dataclass(frozen=True)
@@ -190,29 +190,33 @@ def differs(got: Any, want: Any) -> str | None:
     return None
 
 
-def check_backward_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
-    """Refuse backward hooks that a run of the captured graph would leave out: those of the
-    modules whose code the capture traced through (``traced``, the model itself among them),
-    and hooks registered for every module. Their forwards are not called as modules, so
-    autograd would never run the hooks and the credit would silently differ from
-    ``loss.backward()`` on the model. A module the graph calls whole runs its own hooks."""
+def check_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
+    """Refuse module hooks that a run of the captured graph would leave out: backward hooks
+    of the modules whose code the capture traced through (``traced``, the model itself among
+    them), and the model's own forward hooks (a trace calls its ``forward``, not the model),
+    each also where registered for every module. Autograd would never run them, and the
+    output or credit would silently differ from the model's. A module the graph calls whole
+    runs its own hooks, and so does any module traced through on its forward."""
     tables = ("_backward_hooks", "_backward_pre_hooks")
     hooked = [m for m in traced if any(getattr(m, t, None) for t in tables)]
-    names = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
-    everywhere = global_backward_hooks()
-    if not hooked and not everywhere:
-        return
-    path = names.get(id(hooked[0]), "") if hooked else ""
+    backward, forward = global_hooks()
+    kind = "backward hook (register_full_backward_hook or its kin)"
+    if not hooked and not backward:
+        hooked = [model] if model._forward_hooks or model._forward_pre_hooks else []
+        kind = "forward hook (register_forward_hook or its kin)"
+        if not hooked and not forward:
+            return
+    path = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}.get(id(hooked[0]), "") if hooked else ""
     if not hooked:
-        where = "a backward hook is registered for every module"
+        where = f"a {kind} is registered for every module"
     elif hooked[0] is model:
-        where = f"the model ({type(model).__name__}) has a backward hook"
+        where = f"the model ({type(model).__name__}) has a {kind}"
     else:
-        where = f"module {path!r} ({type(hooked[0]).__name__}) has a backward hook"
+        where = f"module {path!r} ({type(hooked[0]).__name__}) has a {kind}"
     whole = f"keep it whole (convert with leaf_modules=[{path!r}]), " if path else ""
     raise FxnxValueError(
-        f"{where} (register_full_backward_hook or its kin), which the captured graph does not "
-        "run: that forward was traced through, not called as a module, so the credit would "
-        f"leave the hook out. Remove the hook, {whole}or route with rule='exact' and "
-        "node_credit=False, whose forward is the model's own"
+        f"{where}, which a run of the captured graph does not make: that module's forward was "
+        "traced, not called as a module, so the result would leave the hook out. Remove the "
+        f"hook, {whole}or route with rule='exact' and node_credit=False, whose forward is the "
+        "model's own"
     )

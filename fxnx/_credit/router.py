@@ -29,7 +29,7 @@ from .._errors import FxnxError, FxnxTypeError, FxnxValueError
 from .._state import preserved
 from . import feedback as fb
 from .compare import cosine_angle, flat
-from .faithful import Probe, check_backward_hooks, differs, probe
+from .faithful import Probe, check_hooks, differs, probe
 from .graft import Graft, graft
 from .nodecall import NodeCall
 from .plan import Plan, compile_plan
@@ -443,7 +443,7 @@ class CreditRouter(nn.Module):
             cap_ = dataclasses.replace(cap, model=None, inputs=None)
             self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
             if not run.plain:  # the guard holds the hook tables: a hook added comes back here
-                check_backward_hooks(self.model, self._watched[id(cap.gm)])
+                check_hooks(self.model, self._watched[id(cap.gm)])
             self._fast[collect] = (self._guard(cap_, inputs, kwargs, plain=run.plain), run, cap_)
             if not collect:
                 # Inputs of this structure bind to the first placeholders one by one, in order,
