@@ -35,6 +35,7 @@ __all__ = [
     "drop_annotations",
     "extract_tensor_metadata",
     "global_hooks",
+    "has_hooks",
     "global_module_hooks",
     "graph_module",
     "is_fake",
@@ -111,6 +112,12 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "make_fx(..., _error_on_data_dependent_ops=False)",
         "make_fx on models whose control flow reads tensor values",
         "make_fx's default: such models fail on that route and the ladder reports it",
+    ),
+    (
+        "nn.Module._forward_hooks, _forward_pre_hooks, _backward_hooks, _backward_pre_hooks",
+        "credit over a captured graph refuses hooks the trace never ran (has_hooks)",
+        "read with getattr: a torch that keeps them elsewhere shows no hooks, and such a hook "
+        "is left out of a credit run",
     ),
     (
         "torch.nn.modules.module._global_forward_hooks and the other global hook tables",
@@ -354,6 +361,13 @@ def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if callable(foreach):
         return list(foreach(tensors))
     return [torch.linalg.vector_norm(t) for t in tensors]
+
+
+def has_hooks(module: Any, *, forward: bool) -> bool:
+    """Whether ``module`` has forward hooks of its own (``forward``) or backward hooks
+    (``register_forward_hook``, ``register_full_backward_hook`` and their pre-hook kin)."""
+    tables = ("_forward_hooks", "_forward_pre_hooks") if forward else ("_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(module, name, None) for name in tables)
 
 
 def global_hooks() -> tuple[bool, bool]:

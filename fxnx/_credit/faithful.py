@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._capture.shapes import mutable, node_failure
-from .._compat import global_hooks, pytree, version
+from .._compat import global_hooks, has_hooks, pytree, version
 from .._errors import FxnxValueError
 
 __all__ = ["Probe", "check_hooks", "differs", "probe"]
@@ -197,12 +197,11 @@ def check_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
     each also where registered for every module. Autograd would never run them, and the
     output or credit would silently differ from the model's. A module the graph calls whole
     runs its own hooks, and so does any module traced through on its forward."""
-    tables = ("_backward_hooks", "_backward_pre_hooks")
-    hooked = [m for m in traced if any(getattr(m, t, None) for t in tables)]
+    hooked = [m for m in traced if has_hooks(m, forward=False)]
     backward, forward = global_hooks()
     kind = "backward hook (register_full_backward_hook or its kin)"
     if not hooked and not backward:
-        hooked = [model] if model._forward_hooks or model._forward_pre_hooks else []
+        hooked = [model] if has_hooks(model, forward=True) else []
         kind = "forward hook (register_forward_hook or its kin)"
         if not hooked and not forward:
             return
