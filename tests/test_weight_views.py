@@ -154,3 +154,26 @@ def test_falcon_exported_with_transposed_weights_gets_feedback_and_b_equal_to_w_
     model(ids).logits.pow(2).mean().backward()
     for name, p in model.named_parameters():
         assert rel_error(ours[name], p.grad) <= 1e-12, name
+
+
+class _FirstTransposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.W, self.head = nn.Parameter(torch.randn(5, 3)), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(x @ self.W.T))
+
+
+def test_a_transposed_weight_on_an_input_that_needs_no_credit_is_routed_by_the_router():
+    """The first layer's input needs no credit, so its backward never reads ``W.T``: nothing
+    to swap, and the router must not take that for a backward that ignored its weight.
+    Feedback alignment's credit by hand."""
+    torch.manual_seed(0)
+    model = _FirstTransposed().double()
+    x, e = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    (router(x) * e).sum().backward()
+    h = torch.tanh(x @ model.W.detach().T)
+    d = (e @ router.feedback["head"]) * (1 - h**2)  # the head's B, not its W
+    assert rel_error(model.W.grad, d.T @ x) <= 1e-12

@@ -610,9 +610,10 @@ def _needs_input_credit(args: Any, kwargs: Any, call: NodeCall) -> bool:
     """Whether an input other than the node's parameters (an ATen node's weight and bias are
     arguments) carries credit: only then must its backward have read the weight."""
     params = [p for _, p in call.param_inputs.values()] + list(call.params.values())
-    own = {(p.data_ptr(), p.shape) for p in params}  # a parameter, or route_credit's alias of it
+    # A parameter, route_credit's alias of it, or a view of it that copies nothing (W.T)
+    own = {(p.data_ptr(), p.numel()) for p in params}
     return any(
-        isinstance(t, Tensor) and t.requires_grad and (t.data_ptr(), t.shape) not in own
+        isinstance(t, Tensor) and t.requires_grad and (t.data_ptr(), t.numel()) not in own
         for t in pytree.tree_leaves((args, kwargs))
     )
 
