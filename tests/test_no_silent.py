@@ -618,3 +618,21 @@ def test_a_global_the_forward_reads_is_not_baked_into_a_reused_capture(monkeypat
     assert torch.equal(out, want) and torch.equal(got, model.b.weight.grad)
     assert torch.equal(fxnx.route_credit(G, model, x, rule="exact").output, want.detach())
     assert torch.equal(fxnx.CreditRouter(G, model, rule="feedback_alignment")(x), want)
+
+
+def test_a_result_holds_no_tensor_of_the_callers():
+    """The output credit given comes back as the output node's credit: a copy, so writing
+    into the caller's tensor afterwards changes no result (route_credit and router.backward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, e = torch.randn(5, 3, dtype=F64), torch.randn(5, 2, dtype=F64)
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment", node_credit=True)
+    router(x)
+    given = [e.clone(), e.clone()]
+    results = [fxnx.route_credit(G, model, x, rule="feedback_alignment", output_credit=given[0]),
+               router.backward(output_credit=given[1], node_credit=True)]
+    for g in given:
+        g.zero_()
+    for res in results:
+        assert torch.equal(res.node_credit["output"], e)

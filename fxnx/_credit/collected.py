@@ -24,7 +24,7 @@ from .._compat import pytree
 from .._state import preserved
 from .nodecall import fresh_leaf
 from .presets import PRESETS
-from .result import CreditResult, credit_norms
+from .result import CreditResult, credit_norms, owned
 from .router import (
     CreditRouter,
     graph_credit,
@@ -129,6 +129,7 @@ def route_credit(
         params = {n: p for n, p in run.plan.params.items() if p.requires_grad}
         node_credit, param_credit = routed(run.names, nodes, [t for t, _ in pairs], [g for _, g in pairs], params)
     node_credit[run.plan.entries[-1].call.name] = graph_credit(result, output, flat)
+    node_credit = owned(node_credit, output_credit)
     norms = credit_norms(node_credit)
     result_ = CreditResult(
         node_credit=node_credit,

@@ -12,7 +12,7 @@ from torch import Tensor
 from .._compat import pytree, vector_norms
 from .nodecall import Credit
 
-__all__ = ["CreditResult", "credit_norm", "credit_norms"]
+__all__ = ["CreditResult", "credit_norm", "credit_norms", "owned"]
 
 
 @dataclass
@@ -37,6 +37,10 @@ class CreditResult:
         Node name to the feedback weights its rule holds (see ``CreditRouter.feedback``).
     output : Any
         The model's output in the recorded forward pass.
+
+    The tensors are the result's own: no ``.grad``, and none of the caller's (the output
+    credit given is copied). Credits of nodes that pass a value on as a view (``flatten``,
+    ``nn.Identity``) may share memory with each other, as autograd's gradients do.
     """
 
     node_credit: dict[str, Credit]
@@ -94,3 +98,19 @@ def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
         values = torch.stack(vector_norms(list(tensors))).tolist()
         norms.update(zip(names, map(float, values), strict=True))
     return norms
+
+
+def owned(node_credit: dict[str, Any], given: Any = None) -> dict[str, Any]:
+    """``node_credit`` with no tensor that shares memory with a tensor of ``given`` (the
+    caller's output credit, which autograd hands back as the output's own credit): those
+    are copied, so that writing into the caller's tensors changes no result. Credits of
+    nodes that pass a value on as a view (``flatten``, ``nn.Identity``) may share memory
+    with each other, as autograd's gradients of them do."""
+    theirs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(given) if isinstance(t, Tensor)}
+    if not theirs:
+        return node_credit
+
+    def own(t: Any) -> Any:
+        return t.clone() if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in theirs else t
+
+    return {name: pytree.tree_map(own, c) for name, c in node_credit.items()}

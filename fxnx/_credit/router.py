@@ -34,7 +34,7 @@ from .graft import Graft, graft
 from .nodecall import NodeCall
 from .plan import Plan, compile_plan
 from .presets import PRESETS, Preset, check_kinds, lookup, preset_of
-from .result import CreditResult
+from .result import CreditResult, owned
 from .rules import Exact, Rule, Transport, check_rule, rule_name
 from .transport import feedback_weights
 
@@ -339,6 +339,7 @@ class CreditRouter(nn.Module):
         if node_credit:
             flat = pytree.tree_leaves(at_result) if at_result is not None else [None] * len(pytree.tree_leaves(result))
             nodes_got[run.plan.entries[-1].call.name] = graph_credit(result, output, flat)
+            nodes_got = owned(nodes_got, output_credit)
         used = rules_used(run.plan, nodes_got)
         return CreditResult(
             node_credit=nodes_got, param_credit=params_got, rules=used, rule=self.preset.name,
