@@ -452,3 +452,57 @@ def test_the_recomputed_attention_is_torchs(config):
     got = attention(m, q, k, v, need_weights=True, **options)
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_feedback_weights_depend_on_the_seed_and_node_alone():
+    """The same seed draws the same B for a float32 and a float64 model, and for DFA under
+    autocast (kept in the layer's dtype, not bfloat16); distinct seeds draw unrelated B
+    (2**63 is not 0 again)."""
+    torch.manual_seed(0)
+    m32 = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    m64 = _copy_double(m32)
+    x, e = torch.randn(5, 8), torch.randn(5, 4)
+    G32, G64 = fxnx.convert(m32, x), fxnx.convert(m64, x.double())
+
+    def B(G, model, x, e, rule="feedback_alignment", seed=0):
+        return fxnx.route_credit(G, model, x, rule=rule, output_credit=e, seed=seed).feedback["_2"]
+
+    assert torch.equal(B(G32, m32, x, e).double(), B(G64, m64, x.double(), e.double()))
+    assert not torch.equal(B(G32, m32, x, e, seed=2**63), B(G32, m32, x, e))
+    router = fxnx.CreditRouter(G32, m32, rule="direct_feedback_alignment", seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = router(x)
+    (out.float() * e).sum().backward()
+    assert router.feedback["_2"].dtype == torch.float32
+    assert torch.equal(router.feedback["_2"], B(G32, m32, x, e, rule="direct_feedback_alignment"))
+
+
+def _copy_double(model):
+    import copy
+
+    return copy.deepcopy(model).double()
+
+
+def test_what_no_rule_can_use_is_refused_by_name():
+    """A layer itself as a ``rules`` key (no node is keyed by it), negative sign-symmetry
+    magnitudes (B would oppose sign(W)), and direct feedback that is not one floating tensor
+    per input: each one error, where they were ignored, taken or failed inside torch."""
+    import numpy as np
+
+    model = _mlp(3, 5, 2)
+    x, e = torch.randn(6, 3, dtype=f64), torch.randn(6, 2, dtype=f64)
+    G = fxnx.convert(model, x)
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"'Linear\(...\)'.*key it by its node's name"):
+        fxnx.route_credit(G, model, x, rules={model[2]: fxnx.credit.FeedbackAlignment()}, output_credit=e)
+    for rule in ("frsf", "brsf"):
+        with pytest.raises(fxnx.errors.FxnxValueError, match="magnitudes M >= 0"):
+            fxnx.route_credit(G, model, x, rule=rule, output_credit=e, feedback={"_2": -torch.ones(2, 5, dtype=f64)})
+    dfa = dict(rule="direct_feedback_alignment", output_credit=e)
+    for bad in (np.zeros((2, 5)), "B", torch.zeros(2, 5, dtype=torch.int64)):
+        with pytest.raises(fxnx.errors.FxnxTypeError, match="must be a floating-point tensor"):
+            fxnx.route_credit(G, model, x, feedback={"_2": bad}, **dfa)
+    with pytest.raises(fxnx.errors.FxnxValueError, match="gives 3 tensors, but the node has 1 input"):
+        fxnx.route_credit(G, model, x, feedback={"_2": [torch.zeros(2, 5, dtype=f64)] * 3}, **dfa)
+    drawn = fxnx.route_credit(G, model, x, **dfa)
+    again = fxnx.route_credit(G, model, x, feedback=drawn.feedback, **dfa)
+    assert torch.equal(again.param_credit["0.weight"], drawn.param_credit["0.weight"])

@@ -14,7 +14,9 @@ draws them here, with BioTorch's ``init`` choices (Sanfiz & Akrout, 2021):
 Fans are PyTorch's for ``B``'s shape: ``fan_in = shape[1] · r``, ``fan_out =
 shape[0] · r``, ``r`` the product of the dimensions after the second (a
 convolution kernel's size). A draw depends only on the seed, the node's name
-and what the tensor is for, so a router built again draws the same weights.
+and what the tensor is for, so a router built again draws the same weights, in
+any dtype (drawn in float32, then cast) and under autocast alike; distinct seeds
+give unrelated draws.
 
 Before a tensor is made, its size is checked against the rule's ``max_bytes``
 (1 GiB by default): a larger allocation is refused with an error naming the
@@ -23,9 +25,9 @@ node and the bytes, never attempted.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
-import zlib
 from collections.abc import Sequence
 from typing import Any, Literal, overload
 
@@ -96,12 +98,12 @@ def draw(
     max_bytes: float | None = MAX_BYTES, where: str = "",
 ) -> Tensor:
     """A tensor of ``shape`` drawn from law ``init``, from ``seed`` and ``key`` alone, with
-    ``like``'s dtype and device (drawn in float64 on the CPU for lower-precision dtypes)."""
+    ``like``'s dtype and device (drawn in float32 on the CPU whatever the dtype, so that the
+    values do not depend on it)."""
     size = math.prod(shape) * like.element_size()
     check_bytes(size, max_bytes, f"{where or key} (shape {tuple(shape)}, {like.dtype})")
     gen = generator(seed, key)
-    dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float64
-    B = torch.empty(tuple(shape), dtype=dtype)
+    B = torch.empty(tuple(shape), dtype=torch.float32)
     if init == "xavier":
         nn.init.xavier_uniform_(B, generator=gen)
     else:
@@ -118,7 +120,8 @@ def laid_out_like(B: Tensor, W: Tensor) -> Tensor:
 
 def generator(seed: int, key: str) -> torch.Generator:
     """A CPU generator for ``key`` (a node's name and what the draw is for) under ``seed``."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def readable(n: float) -> str:

@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from torch import nn
+
 from .._errors import FxnxValueError
 from .kinds import WEIGHTED_FUNCTIONS, WEIGHTED_MODULES
 from .learned import KolenPollack, WeightMirror
@@ -101,12 +103,18 @@ def check_kinds(table: Mapping[Any, Any], where: str) -> None:
     for kind in table:
         if isinstance(kind, type) or (isinstance(kind, tuple) and len(kind) == 2 and kind[0] == "call_method"):
             continue
-        if callable(kind) and not isinstance(kind, str):
+        if callable(kind) and not isinstance(kind, (str, nn.Module)):
             continue
-        hint = (
-            f"; to route the node named {kind!r}, pass rules={{{kind!r}: ...}}"
-            if isinstance(kind, str) else ""
-        )
+        if isinstance(kind, nn.Module):  # a layer itself, not its kind: no node is keyed so
+            kind = type(kind).__name__ + "(...)"
+            hint = (
+                "; to route one layer, key it by its node's name (rules={'layer1.0.conv1': ...}, "
+                "the names in G), or every layer of its class by the class"
+            )
+        elif isinstance(kind, str):
+            hint = f"; to route the node named {kind!r}, pass rules={{{kind!r}: ...}}"
+        else:
+            hint = ""
         raise FxnxValueError(
             f"{where} has the key {kind!r}, which is not a node kind (a module class such as "
             f"nn.Linear, a function such as torch.matmul, or fxnx.credit.method('view')){hint}"

@@ -361,7 +361,7 @@ class SignSymmetry(_Drawn, Transport):
             bound._magnitudes = {p: 1.0 if self.init == "unit" else fb.std(self.init, W.shape) for p, W in weights.items()}
         elif self.magnitude == "fixed_random":
             fixed = (
-                _given(call, weights, feedback) if feedback is not None
+                _magnitudes(call, self.name, _given(call, weights, feedback)) if feedback is not None
                 else {p: bound._draw(call, bound._seed, _key(call, p), W.shape, W).abs_() for p, W in weights.items()}
             )
             bound._magnitudes = fixed
@@ -369,7 +369,7 @@ class SignSymmetry(_Drawn, Transport):
         elif feedback is not None:
             # The magnitudes of one step (CreditRouter.feedback after it), to route that step
             # again; later steps draw afresh.
-            bound._pending = _given(call, weights, feedback)
+            bound._pending = _magnitudes(call, self.name, _given(call, weights, feedback))
         return bound
 
     def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
@@ -413,6 +413,36 @@ class SignSymmetry(_Drawn, Transport):
         if self._magnitudes is None:  # brSF before its first draw
             return {}
         return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in feedback_weights(call).items()}
+
+
+def _check_direct(call: NodeCall, given: Sequence[Any]) -> None:
+    """Refuse direct feedback given for ``call`` that is not one tensor (or None) per input
+    of the node, in order (what ``CreditRouter.feedback`` holds for it)."""
+    if len(given) > len(call.sources):
+        raise FxnxValueError(
+            f"feedback for node {call.name!r} gives {len(given)} tensors, but the node has "
+            f"{len(call.sources)} input{'s' * (len(call.sources) != 1)}: give one B per input, in "
+            "order, as CreditRouter.feedback holds them"
+        )
+    for i, B in enumerate(given):
+        if B is not None and not (isinstance(B, Tensor) and B.is_floating_point()):
+            raise FxnxTypeError(
+                f"feedback for node {call.name!r} (input {i}) must be a floating-point tensor, got "
+                f"{type(B).__qualname__ if not isinstance(B, Tensor) else B.dtype}"
+            )
+
+
+def _magnitudes(call: NodeCall, rule: str, given: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Given magnitudes ``M``, refused where one is negative (``sign(W)·M`` would then send
+    credit against the sign of ``W``: not sign symmetry)."""
+    for p, M in given.items():
+        if isinstance(M, Tensor) and bool((M < 0).any()):
+            raise FxnxValueError(
+                f"feedback for node {call.name!r} ({p}): {rule} takes magnitudes M >= 0 (B = "
+                f"sign(W)·M), and {int((M < 0).sum())} are negative; pass M.abs() for the same "
+                "magnitudes"
+            )
+    return given
 
 
 class _Later(Mapping[str, Tensor]):
@@ -509,7 +539,9 @@ class DirectFeedbackAlignment(_Drawn):
         bound = copy.copy(self)
         bound._seed = seed if self.seed is None else self.seed
         given = feedback if isinstance(feedback, (tuple, list)) else [feedback]
-        bound._B = list(given) if feedback is not None else []
+        if feedback is not None:
+            _check_direct(call, given)
+        bound._B = [B.detach() if isinstance(B, Tensor) else B for B in given] if feedback is not None else []
         bound.feedback = feedback
         bound._geometry = conv_geometry(call) if self.spatial else None
         return bound
@@ -575,6 +607,11 @@ class DirectFeedbackAlignment(_Drawn):
             self._B.append(None)
         B = self._B[i]
         if B is None:
+            # In the layer's own dtype where it has a weight: not the credit's or the input's
+            # under autocast, which would keep B in bfloat16 for every later step.
+            weights = [P for _, P in call.param_inputs.values()] + list(call.params.values())
+            if weights and weights[0].is_floating_point():
+                dtype = weights[0].dtype
             like = torch.empty((), dtype=dtype, device=e.device)
             # the dense form's law sees the (D, input size) matrix it is
             drawn = want if self._spatial(i) else (want[0], math.prod(want[1:]))
