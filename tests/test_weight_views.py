@@ -84,7 +84,8 @@ def test_every_weight_transport_rule_sees_through_the_view_as_through_nn_linear(
         G = fxnx.convert(model, x, routes=route)
         router = fxnx.CreditRouter(G, model, rule=rule, seed=0)
         if rule != "usf":  # random feedback: the same B for both, in each network's node names
-            feedback = dict(zip(_weighted(G), FEEDBACK, strict=True))
+            given = [B.abs() if rule == "frsf" else B for B in FEEDBACK]  # frSF's are magnitudes
+            feedback = dict(zip(_weighted(G), given, strict=True))
             router = fxnx.CreditRouter(G, model, rule=rule, feedback=feedback)
         x_ = x.clone().requires_grad_()
         (router(x_) * e).sum().backward()
