@@ -506,3 +506,22 @@ def test_what_no_rule_can_use_is_refused_by_name():
     drawn = fxnx.route_credit(G, model, x, **dfa)
     again = fxnx.route_credit(G, model, x, feedback=drawn.feedback, **dfa)
     assert torch.equal(again.param_credit["0.weight"], drawn.param_credit["0.weight"])
+
+
+def test_dfa_defers_a_send_that_the_backward_pass_reaches_past_one_made_at_the_output():
+    """Below a layer whose output a ReLU(inplace=True) overwrites (its inputs get their
+    projection at the output), the layers the backward pass reaches from that projection
+    still get theirs when it reaches them: none is taken for unreached (which would hold
+    every projection at once, the memory this design saves)."""
+    from fxnx._credit import graft
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 6),
+                          nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+    (router(x) * e).sum().backward()
+    (spec,) = {id(v): v for run in router._grafts.values() for v in vars(run.gm).values()
+               if isinstance(v, graft._TapSpec)}.values()
+    received = {spec.pairs[j][0].call.name for j in range(len(spec.pairs)) if j not in spec.unreached}
+    assert "_2" in received and not spec.unreached  # _2 is reached only from _4's projection

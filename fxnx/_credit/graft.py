@@ -801,7 +801,7 @@ def _tap(spec: _TapSpec, state: RoutingState, out: Any, *projected: Any) -> Any:
     if not slots:
         return out
     if state._received and spec.reach != (slots, state._received):  # once per kind of forward
-        state._received -= _unreached(spec, [leaves[i] for i in slots], state._received)
+        state._received -= _unreached(spec, [leaves[i] for i in slots], projected, state._received)
         spec.reach = (slots, set(state._received))
     tapped = _Tap.apply(spec, state, (leaves, tree, slots), *(leaves[i] for i in slots), *projected)
     for i, t in zip(slots, tapped if isinstance(tapped, tuple) else (tapped,), strict=True):
@@ -895,27 +895,34 @@ class _Receive(torch.autograd.Function):
         return (None, None, None, credit, *sent)
 
 
-def _unreached(spec: _TapSpec, outs: list[Tensor], received: set[int]) -> set[int]:
-    """The places in ``received`` whose :class:`_Receive` autograd's graph does not reach from
-    ``outs``: a node read only through what carries no credit (``argmax``, ``detach``, a
-    ``zeros_like``) by every path to the output. They get their projection at the output, as
-    direct feedback defines, and later forwards leave them to the output (``spec.unreached``).
+def _unreached(spec: _TapSpec, outs: list[Tensor], projected: Sequence[Any], received: set[int]) -> set[int]:
+    """The places in ``received`` whose :class:`_Receive` the backward pass does not reach: a
+    node read only through what carries no credit (``argmax``, ``detach``, a ``zeros_like``)
+    by every path to the output. They get their projection at the output, as direct feedback
+    defines, and later forwards leave them to the output (``spec.unreached``).
 
-    Walks autograd's graph, once per kind of forward (what a captured graph records the same
-    way each time); :func:`_credited` has already left out what could differ from call to call.
+    The backward pass starts at ``outs`` and at every input the tap itself projects onto
+    (those not in ``received``, then those of each node found unreached): from there autograd's
+    graph is walked, once per kind of forward (what a captured graph records the same way each
+    time); :func:`_credited` has already left out what could differ from call to call.
     """
     seen: set[Any] = set()
-    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
     reached: set[int] = set()
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        if getattr(fn, "spec", None) is spec and hasattr(fn, "places"):  # a _Receive of this tap
-            reached.update(fn.places)
-        stack.extend(f for f, _ in fn.next_functions if f is not None and f not in seen)
-    missed = received - reached
+    roots = list(outs) + [x for j, x in enumerate(projected) if j not in received]
+    missed: set[int] = set()
+    while roots:
+        stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            if getattr(fn, "spec", None) is spec and hasattr(fn, "places"):  # a _Receive of this tap
+                reached.update(fn.places)
+            stack.extend(f for f, _ in fn.next_functions if f is not None and f not in seen)
+        new = received - reached - missed
+        missed |= new
+        roots = [projected[j] for j in sorted(new)]  # sent at the output instead: walked on from there
     spec.unreached |= missed
     return missed
 
