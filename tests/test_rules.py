@@ -200,7 +200,7 @@ def test_dfa_sends_to_a_layer_when_the_backward_pass_reaches_it(monkeypatch):
         return real(self, j, e, shape, dtype)
 
     monkeypatch.setattr(graft._TapSpec, "send", send)
-    monkeypatch.setattr(graft, "_torch_own", lambda module: True)  # the marks pass credit on every call
+    monkeypatch.setattr(graft, "is_torch_nn", lambda module: True)  # the marks pass credit on every call
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), _Mark(log, "_0"), nn.Tanh(), nn.Linear(7, 6), _Mark(log, "_3"),
                           nn.Tanh(), nn.Linear(6, 3)).double()

@@ -50,11 +50,11 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._callinfo import fetch_attr
 from .._capture.shapes import node_failure
-from .._capture.tracer import NO_GRAD
+from .._capture.tracer import NO_GRAD, is_torch_nn
 from .._compat import pytree, saved_tensors_hooks_calls, version
 from .._errors import FxnxTypeError, FxnxValueError
 from .faithful import Probe, differs
@@ -334,15 +334,11 @@ def _credited(plan: Plan) -> set[str]:
     for entry in reversed(plan.entries):
         call, direct = entry.call, tier(entry) == "direct"
         projected = _projected(entry) if direct else set()
-        passes = call.name in credited and (call.module is None or _torch_own(call.module))
+        passes = call.name in credited and (call.module is None or is_torch_nn(call.module))
         for k, source in enumerate(call.sources):
             if k not in entry.cut and (passes or k in projected):
                 credited.add(source)
     return credited
-
-
-def _torch_own(module: nn.Module) -> bool:
-    return type(module).__module__.split(".")[0] == "torch"
 
 
 def _projected(entry: Entry) -> set[int]:
@@ -609,9 +605,8 @@ def _inputs_of(entry: Entry, args: Any, kwargs: Any) -> list[Any]:
 def _needs_input_credit(args: Any, kwargs: Any, call: NodeCall) -> bool:
     """Whether an input other than the node's parameters (an ATen node's weight and bias are
     arguments) carries credit: only then must its backward have read the weight."""
-    params = [p for _, p in call.param_inputs.values()] + list(call.params.values())
     # A parameter, route_credit's alias of it, or a view of it that copies nothing (W.T)
-    own = {(p.data_ptr(), p.numel()) for p in params}
+    own = {(p.data_ptr(), p.numel()) for p in call.own_parameters()}
     return any(
         isinstance(t, Tensor) and t.requires_grad and (t.data_ptr(), t.numel()) not in own
         for t in pytree.tree_leaves((args, kwargs))

@@ -83,6 +83,11 @@ class NodeCall:
     param_inputs: dict[int, tuple[str, Tensor]] = field(default_factory=dict)
     param_views: dict[int, Callable[[Tensor], Tensor]] = field(default_factory=dict)
 
+    def own_parameters(self) -> list[Tensor]:
+        """The node's trainable parameters: its input occurrences that are one (a function
+        node's weight), then those its module owns."""
+        return [p for _, p in self.param_inputs.values()] + list(self.params.values())
+
     def wants(self, i: int) -> bool:
         """Whether input occurrence ``i`` is a tensor that needs credit."""
         x = self.inputs[i]

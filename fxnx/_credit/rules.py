@@ -609,7 +609,7 @@ class DirectFeedbackAlignment(_Drawn):
         if B is None:
             # In the layer's own dtype where it has a weight: not the credit's or the input's
             # under autocast, which would keep B in bfloat16 for every later step.
-            weights = [P for _, P in call.param_inputs.values()] + list(call.params.values())
+            weights = call.own_parameters()
             if weights and weights[0].is_floating_point():
                 dtype = weights[0].dtype
             like = torch.empty((), dtype=dtype, device=e.device)
