@@ -50,6 +50,25 @@ def test_feedback_alignment_draws_b_with_the_variance_its_law_defines(init, vari
     assert abs(float(B.mean())) < 0.01 * math.sqrt(variance) * 10
 
 
+@pytest.mark.parametrize(("init", "bound"), [("xavier", math.sqrt(6 / (300 + 200))), ("kaiming", 1 / math.sqrt(300))])
+def test_brsf_draws_magnitudes_uniform_on_the_laws_half_range(init, bound):
+    """|U| for U uniform on (-a, a) is uniform on (0, a): mean a/2, variance a²/12, every
+    value inside (0, a), and as many distinct values as 60,000 draws from 2**16 equally
+    likely ones give: N·(1 - (1 - 1/N)**60000) = 39,302 for N = 2**16 (standard deviation
+    about 80; 15 bits would give 27,500)."""
+    model = nn.Sequential(nn.Linear(300, 200))
+    x = torch.randn(2, 300)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule={nn.Linear: fxnx.credit.SignSymmetry("batch_random", init=init)})
+    router(x).sum().backward()
+    M = router.feedback["_0"].double()
+    assert M.shape == (200, 300)
+    # 60,000 draws: the mean within 6 sigma (sigma = a / sqrt(12 * 60000)), the variance within 2%
+    assert abs(float(M.mean()) / bound - 0.5) < 6 / math.sqrt(12 * 60_000)
+    assert abs(float(M.var()) / (bound**2 / 12) - 1) < 0.02
+    assert 0 < float(M.min()) and float(M.max()) < bound
+    assert abs(M.unique().numel() - 39_302) < 800
+
+
 def test_a_convolution_feedback_law_counts_the_kernel_in_its_fans():
     model = nn.Sequential(nn.Conv2d(16, 32, 5))
     x = torch.randn(1, 16, 9, 9)

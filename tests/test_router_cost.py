@@ -106,8 +106,7 @@ def _held_by_forward(forward, x):
 def test_weight_transport_keeps_no_copy_of_the_weights_from_forward_to_backward(rule):
     """Between the forward and the backward pass a router holds what autograd holds. Sign
     symmetry makes sign(W)·M in the backward pass, one layer at a time; brSF draws each
-    layer's new M there too (the last step's, kept as the rule's state, is dropped when the
-    forward pass takes the new step's)."""
+    layer's new M there too, into the memory of that B, and keeps none of it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
                           nn.Linear(128, 3)).double()

@@ -93,6 +93,29 @@ def test_sign_symmetry_by_hand(variant):
         assert torch.equal(seen[0], seen[1])  # uniform, or drawn once
 
 
+@pytest.mark.parametrize("variant", ["usf", "frsf", "brsf"])
+def test_sign_symmetry_sends_nothing_through_a_zero_weight_and_nan_through_a_nan(variant):
+    """torch.sign (BioTorch's sign) is 0 at a zero weight, either sign of zero, and at a NaN:
+    B is zero there, as the formula by hand says, however M was made."""
+    model = _mlp(5, 7, 3)
+    with torch.no_grad():
+        model[2].weight[0, 1] = 0.0
+        model[2].weight[1, 2] = -0.0
+    x, e = torch.randn(3, 5, dtype=f64), torch.eye(3, dtype=f64)  # credit at a = B itself
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=variant, node_credit=True)
+    router(x)
+    B = router.backward(output_credit=e, node_credit=True).node_credit["_1"]
+    M = router.feedback["_2"] if variant != "usf" else math.sqrt(2 / (7 + 3))
+    assert torch.equal(B, torch.sign(model[2].weight.detach()) * M)
+    assert B[0, 1] == 0 and B[1, 2] == 0
+    with torch.no_grad():
+        model[2].weight[2, 3] = float("nan")
+    router(x)
+    B = router.backward(output_credit=e, node_credit=True).node_credit["_1"]
+    M = router.feedback["_2"] if variant != "usf" else M
+    assert B[2, 3] == 0 and torch.equal(B, torch.sign(model[2].weight.detach()) * M)
+
+
 def test_a_brsf_step_can_be_routed_again_with_its_magnitudes():
     """route_credit(feedback=router.feedback) replays brSF's latest draw; without it, a new one."""
     model = _mlp(5, 7, 3)

@@ -36,7 +36,10 @@ from torch import Tensor, nn
 
 from .._errors import FxnxTypeError, FxnxValueError
 
-__all__ = ["LAWS", "MAX_BYTES", "check_bytes", "check_law", "check_seed", "draw", "fans", "generator", "laid_out_like", "readable", "std"]
+__all__ = [
+    "LAWS", "MAX_BYTES", "check_bytes", "check_law", "check_seed", "draw", "fans", "generator", "laid_out_like",
+    "magnitudes", "readable", "std",
+]
 
 #: The laws a feedback weight can be drawn from.
 LAWS = ("xavier", "kaiming")
@@ -109,6 +112,27 @@ def draw(
     else:
         nn.init.kaiming_uniform_(B, a=math.sqrt(5), generator=gen)
     return B.to(device=like.device, dtype=like.dtype)
+
+
+def magnitudes(
+    init: str, shape: Sequence[int], *, seed: int, key: str, like: Tensor,
+    max_bytes: float | None = MAX_BYTES, where: str = "",
+) -> Tensor:
+    """``|U|`` for ``U`` drawn from law ``init`` (both laws are uniform on ``(-a, a)``, so
+    ``|U|`` is uniform on ``(0, a)``), from ``seed`` and ``key`` alone, as :func:`draw` makes
+    them: brSF's fresh magnitudes at every step.
+
+    Each value takes 16 random bits: the midpoints of 65,536 equal steps of ``(0, a)``, four
+    from each 64-bit word of the generator. A float draw takes one 32-bit word per value, and
+    on BERT-base's 85 million weights that draw alone was a sixth of a training step. The law's
+    mean is exact and its variance is off by ``2**-32`` of itself.
+    """
+    n = math.prod(shape)
+    check_bytes(n * like.element_size(), max_bytes, f"{where or key} (shape {tuple(shape)}, {like.dtype})")
+    a = std(init, shape) * math.sqrt(3.0)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None, generator=generator(seed, key))
+    steps = words.view(torch.int16)[:n].view(tuple(shape)).to(torch.float32)  # -32768 ... 32767
+    return steps.add_(32768.5).mul_(a / 65536).to(device=like.device, dtype=like.dtype)
 
 
 def laid_out_like(B: Tensor, W: Tensor) -> Tensor:

@@ -62,7 +62,7 @@ from .feedback import check_bytes, readable
 from .kinds import NATIVE_FUNCTIONS, WEIGHTED_MODULES
 from .nodecall import Credit, NodeCall, call_target, fresh_leaf, run_node, runs_out_of_place
 from .plan import Entry, Plan
-from .rules import DirectFeedbackAlignment, Exact, RoutingState, SignSymmetry, Transport
+from .rules import DirectFeedbackAlignment, Exact, RoutingState, SignSymmetry, Transport, signed
 from .transport import feedback_weights
 
 __all__ = ["Graft", "graft"]
@@ -539,12 +539,7 @@ class _SignOf:
                     "forward pass saw it: call backward before changing the weights"
                 )
             magnitudes, name = self.M
-            M = magnitudes[name]
-            if W.is_contiguous():  # sign keeps a dense layout: one allocation, two ops
-                B = torch.sign(W.detach()).mul_(M)
-            else:
-                B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device)
-                torch.sign(W.detach(), out=B).mul_(M)
+            B = signed(magnitudes, name, W.detach())
             self.B = B.as_strided(self.size, self.stride, B.storage_offset() + self.offset)
         return self.B
 

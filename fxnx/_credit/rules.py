@@ -286,9 +286,10 @@ class SignSymmetry(_Drawn, Transport):
 
     As BioTorch defines the variants (Sanfiz & Akrout, 2021): ``M`` is the
     standard deviation of the law ``init`` for ``W``'s shape (uSF), the absolute
-    value of a fresh draw from that law at every step (brSF), or of one draw
-    kept for good (frSF). Scaling uSF this way keeps the credit at the scale of
-    the forward weights (Xiao et al., 2018); ``init="unit"`` gives Liao et al.'s
+    value of a fresh draw from that law at every step (brSF; 16 random bits a
+    value, :func:`.feedback.magnitudes`), or of one draw kept for good (frSF).
+    Scaling uSF this way keeps the credit at the scale of the forward weights
+    (Xiao et al., 2018); ``init="unit"`` gives Liao et al.'s
     literal uSF, ``M = 1``, whose credit grows with each layer's fan-in and can
     make plain SGD diverge.
 
@@ -374,7 +375,7 @@ class SignSymmetry(_Drawn, Transport):
 
     def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
         magnitudes = self.magnitudes(call)
-        return {p: W.detach().sign().mul_(magnitudes[p]) for p, W in feedback_weights(call).items()}
+        return {p: signed(magnitudes, p, W.detach()) for p, W in feedback_weights(call).items()}
 
     def magnitudes(self, call: NodeCall) -> Mapping[str, Tensor | float]:
         """``M`` for each weight, for one backward pass: brSF draws afresh at each call.
@@ -389,7 +390,10 @@ class SignSymmetry(_Drawn, Transport):
             else:
                 draws = self._draws
                 drawn = _Later({
-                    p: functools.partial(self._draw, call, self._seed, f"{_key(call, p)}@{draws}", W.shape, W)
+                    p: functools.partial(
+                        fb.magnitudes, self.init, W.shape, seed=self._seed, key=f"{_key(call, p)}@{draws}", like=W,
+                        max_bytes=self.max_bytes, where=f"{self.name} at node {call.name!r}",
+                    )
                     for p, W in feedback_weights(call).items()
                 })
             self._magnitudes = drawn
@@ -412,7 +416,7 @@ class SignSymmetry(_Drawn, Transport):
     def feedback_now(self, call: NodeCall) -> dict[str, Tensor]:
         if self._magnitudes is None:  # brSF before its first draw
             return {}
-        return {p: W.detach().sign().mul_(self._magnitudes[p]) for p, W in feedback_weights(call).items()}
+        return {p: signed(self._magnitudes, p, W.detach()) for p, W in feedback_weights(call).items()}
 
 
 def _check_direct(call: NodeCall, given: Sequence[Any]) -> None:
@@ -446,24 +450,39 @@ def _magnitudes(call: NodeCall, rule: str, given: dict[str, Tensor]) -> dict[str
 
 
 class _Later(Mapping[str, Tensor]):
-    """brSF's magnitudes for one step, each drawn (from its key: the same values whenever)
-    when first read: in the backward pass, as its layer's backward needs it, so that no
-    layer's ``M`` is held from the forward pass to the backward pass."""
+    """brSF's magnitudes for one step, drawn (from their key: the same values whenever) each
+    time they are read, and never kept: the router reads them in the backward pass, as each
+    layer's backward needs its ``B`` (:func:`signed`), so that no ``M`` is held from the
+    forward pass to the backward pass, nor from one step to the next."""
 
     def __init__(self, draws: dict[str, Callable[[], Tensor]]) -> None:
-        self._draws, self._drawn = draws, dict[str, Tensor]()
+        self._draws = draws
 
     def __getitem__(self, name: str) -> Tensor:
-        got = self._drawn.get(name)
-        if got is None:
-            got = self._drawn[name] = self._draws[name]().abs_()
-        return got
+        return self._draws[name]()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._draws)
 
     def __len__(self) -> int:
         return len(self._draws)
+
+
+def signed(magnitudes: Mapping[str, Tensor | float], name: str, W: Tensor) -> Tensor:
+    """Sign symmetry's ``B = sign(W)·M`` for the weight ``name`` (``W`` detached), laid out
+    like ``W``. A fresh brSF draw is made into ``B`` where it lies: ``copysign`` is
+    ``sign(W)·M`` wherever ``W`` is neither zero nor NaN, which two reductions check (each
+    cheaper than the allocation it saves)."""
+    if isinstance(magnitudes, _Later):
+        B = fb.laid_out_like(magnitudes[name], W).copysign_(W)
+        if int(torch.count_nonzero(W)) == W.numel() and not math.isnan(float(W.sum())):
+            return B
+        return B.abs_().mul_(torch.sign(W))  # torch.sign is 0 at a zero weight and at a NaN
+    M = magnitudes[name]
+    if W.is_contiguous():  # sign keeps a dense layout: one allocation, two ops
+        return torch.sign(W).mul_(M)
+    B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device)
+    return torch.sign(W, out=B).mul_(M)
 
 
 class DirectFeedbackAlignment(_Drawn):
