@@ -240,6 +240,31 @@ def test_kolen_pollack_gives_b_the_sgd_step_of_w_by_hand():
         assert torch.allclose(W.detach() - B_new, (1 - lr * wd) * (W_old - B_old), rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("rule", ["kolen_pollack", "weight_mirror"])
+def test_learned_feedback_of_another_dtype_is_used_as_updated(rule):
+    """B given in float32 to a float64 model (cast for the backward pass) and updated in place
+    by update_feedback: every step routes with the B it holds then, by hand, g @ B at the
+    hidden layer's output. The cast copy was made once and kept: from the second step on the
+    credit used the first B."""
+    model = _mlp(5, 7, 3)
+    x, y = torch.randn(6, 5, dtype=f64), torch.randint(0, 3, (6,))
+    given = {"_2": torch.randn(3, 7), "_0": torch.randn(7, 5)}
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, feedback=given)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        out = router(x)
+        B = router.feedback["_2"].detach().double()
+        g = torch.autograd.grad(F.cross_entropy(out, y), out, retain_graph=True)[0]
+        F.cross_entropy(out, y).backward()
+        h = torch.tanh(model[0](x)).detach()
+        want = ((g @ B) * (1 - h**2)).T @ x  # 0.weight's credit: g @ B through tanh, then x
+        assert rel_error(model[0].weight.grad, want) < 1e-12
+        opt.step()
+        router.update_feedback(lr=0.5) if rule == "kolen_pollack" else router.update_feedback()
+        assert not torch.equal(router.feedback["_2"].double(), B)  # B moved
+
+
 def test_kolen_pollack_aligns_b_with_w_on_a_teacher_student_task():
     torch.manual_seed(0)
     teacher = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 5))

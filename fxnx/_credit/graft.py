@@ -461,7 +461,8 @@ class _NativeSpec:
         self.device = next(iter(self.weights.values())).device.type
         #: sign symmetry of its own kind: B made lazily from sign(W) and the magnitudes
         self.signs = isinstance(self.rule, SignSymmetry) and type(self.rule).feedback_for is SignSymmetry.feedback_for
-        self.spans: list[tuple[int, int, Tensor, Any, Any]] = []  # start, end, W, B or M, given
+        #: start, end, W, B or M, the given feedback, and its version where B is a copy of it
+        self.spans: list[tuple[int, int, Tensor, Any, Any, int | None]] = []
         self.views: dict[tuple[Any, ...], Tensor] = {}
         self.hits = 0
         self.unpack = _unpack if self.signs else _FIRST
@@ -473,33 +474,32 @@ class _NativeSpec:
         if self.signs:
             magnitudes = self.rule.magnitudes(self.call)
             self.spans = [  # M read when unpacked (brSF draws it then)
-                (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, (magnitudes, name), None)
+                (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, (magnitudes, name), None, None)
                 for name, W in self.weights.items()
             ]
             return
         feedback = self.rule.feedback_for(self.call)
         old = self.spans
         if len(old) == 1:  # one weight (a linear or convolution layer): no loop
-            start, _, W, _, given = old[0]
-            if given is feedback[self.first] and W.data_ptr() == start:
+            if _current(old[0], feedback[self.first]):
                 return  # the same B (feedback alignment): its views are kept
-        elif old and all(span[4] is feedback[name] and span[2].data_ptr() == span[0]
-                         for span, name in zip(old, self.weights, strict=True)):
+        elif old and all(_current(span, feedback[name]) for span, name in zip(old, self.weights, strict=True)):
             return
         spans = []
         for name, W in self.weights.items():
             given = feedback[name]
-            B = given.detach()
+            B, stamp = given.detach(), None
             if B.stride() != W.stride() or B.dtype != W.dtype or B.device != W.device:
                 B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device).copy_(B)
+                stamp = version(given)  # a copy: made again once the given B is written
             start = W.data_ptr()
-            spans.append((start, start + W.numel() * W.element_size(), W, B, given))
+            spans.append((start, start + W.numel() * W.element_size(), W, B, given, stamp))
         self.views = {}
         self.spans = spans
 
     def pack(self, t: Tensor) -> Any:
         ptr = t.data_ptr()
-        for start, end, W, B, _ in self.spans:
+        for start, end, W, B, _, _ in self.spans:
             if start <= ptr < end and t.dtype == W.dtype:
                 self.hits += 1
                 if self.signs:
@@ -511,6 +511,14 @@ class _NativeSpec:
                     view = self.views[key] = B.as_strided(t.size(), t.stride(), offset)
                 return (view,)
         return (t,)
+
+
+def _current(span: tuple[int, int, Tensor, Any, Any, int | None], given: Any) -> bool:
+    """Whether ``span`` holds ``given`` as it is now: the same tensor, ``W`` where it was, and
+    a copy of ``given`` (another dtype or layout than ``W``'s) made since its last write
+    (Kolen–Pollack and weight mirrors update ``B`` in place)."""
+    start, _, W, _, held, stamp = span
+    return held is given and W.data_ptr() == start and (stamp is None or stamp == version(given))
 
 
 _FIRST = operator.itemgetter(0)
