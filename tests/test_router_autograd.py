@@ -200,6 +200,32 @@ def test_checkpointing_needs_nothing_special(preset):
         torch.testing.assert_close(p.grad, plain[name], rtol=1e-12, atol=1e-15, msg=name)
 
 
+def test_a_rule_run_on_its_nodes_own_graph_refuses_a_second_backward_and_create_graph():
+    """A rule function runs on its node's own small graph, freed after one backward pass and
+    not differentiable in the parameters: backward again (retain_graph=True) and create_graph
+    are each one error naming the node, where they failed inside fxnx (AttributeError) or
+    gave first-order credit a gradient penalty silently missed."""
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    def halve(call, credit, state):
+        inputs, params = call.exact(credit)
+        return [c / 2 for c in inputs], params
+
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rules={"_2": halve})
+    loss = router(x).pow(2).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(fxnx.errors.FxnxValueError, match="backward ran twice through node '_2'.*forward again"):
+        loss.backward()
+    loss = router(x).pow(2).sum()
+    with pytest.raises(fxnx.errors.FxnxValueError, match="create_graph=True .* node '_2'"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    plain = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    loss = plain(x).pow(2).sum()  # layers routed natively: both work as autograd's own
+    (first,) = torch.autograd.grad(loss, [model[0].weight], retain_graph=True)
+    (again,) = torch.autograd.grad(loss, [model[0].weight], create_graph=True)
+    assert torch.equal(first, again)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_autocast_runs_every_preset_and_exact_equals_autograd(preset):
     torch.manual_seed(0)

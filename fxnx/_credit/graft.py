@@ -674,6 +674,7 @@ class _RuleNode(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         spec, call = ctx.spec, ctx.call
+        _check_once(spec, call)
         feed = iter(grads)
         leaves_out = pytree.tree_flatten(call.output)[0]
         credit = pytree.tree_unflatten(
@@ -694,6 +695,27 @@ class _RuleNode(torch.autograd.Function):
         out.extend(params.get(name) for name, _ in spec.params)
         ctx.call = None  # free the node's graph once routed
         return tuple(out)
+
+
+def _check_once(spec: _FunctionSpec, call: NodeCall | None) -> None:
+    """Refuse what a rule run on its node's own small graph cannot give: a second backward
+    pass through the node (its recorded call is freed by the first, lest every step keep its
+    node's values until the next), and a differentiable credit (``create_graph=True``: the
+    node's small graph starts from leaves of its own, so the credit would not depend on the
+    model's parameters, and a gradient penalty would miss this node's terms)."""
+    where = f"node {spec.entry.call.name!r} (rule {spec.entry.rule_name!r}, run on the node's own graph)"
+    if call is None:
+        raise FxnxValueError(
+            f"backward ran twice through {where}: its recorded call is freed after one backward "
+            "pass, so retain_graph=True (or autograd.grad twice) cannot route it again. Run the "
+            "forward again for each backward pass, or route this node with rule 'exact'"
+        )
+    if torch.is_grad_enabled():
+        raise FxnxValueError(
+            f"create_graph=True needs credit differentiable in the model's parameters, and "
+            f"{where} gives none: a gradient penalty would miss its terms. Route this node with "
+            "rule 'exact' (rules={name: fxnx.credit.Exact()}) for higher-order gradients"
+        )
 
 
 def _wants(value: Any) -> bool:
