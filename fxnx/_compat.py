@@ -47,6 +47,7 @@ __all__ = [
     "qualified_function_name",
     "schema_signature",
     "sequence_nr",
+    "value_reads",
     "version",
 ]
 
@@ -169,6 +170,12 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "torch.autograd.graph.Node._sequence_nr",
         "joint graphs: the module scope of each backward op",
         "backward ops take the scope their inputs share",
+    ),
+    (
+        "torch.export.ExportedProgram._report",
+        "draft_export's record of control flow that read a tensor's value (value_reads), which "
+        "its graph does not keep when the value was used only to branch",
+        "such a branch is seen only where the graph keeps the read (.item() used as a number)",
     ),
 )
 
@@ -361,6 +368,17 @@ def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if callable(foreach):
         return list(foreach(tensors))
     return [torch.linalg.vector_norm(t) for t in tensors]
+
+
+def value_reads(program: Any) -> list[str]:
+    """The conditions on tensor values that ``torch.export.draft_export`` met (``u0 > 1``),
+    each answered for the example input; empty where it met none or keeps no report."""
+    report = getattr(program, "_report", None)
+    failures = getattr(report, "failures", ()) or ()
+    return [
+        str((f.data or {}).get("expr", "")) if isinstance(f.data, dict) else ""
+        for f in failures if getattr(f.failure_type, "name", "") == "DATA_DEPENDENT_ERROR"
+    ]
 
 
 def has_hooks(module: Any, *, forward: bool) -> bool:

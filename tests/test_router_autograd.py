@@ -143,6 +143,37 @@ def test_an_edge_removed_from_G_carries_no_credit_in_training():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
 
 
+def test_a_router_routes_over_G_as_it_was_when_built():
+    """An edge removed from G after the router was built is not the router's: every later
+    step routes as the first did (before, the cut was ignored until an unrelated change,
+    a parameter frozen, made the router plan again, and then applied). A new router sees it."""
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    want = _autograd_grads(model, x)
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    router(x).sum().backward()
+    first = _grads(model)
+    G.remove_edge("_1", "_2", 0)  # the only path from the output to layer _0
+    for change in (lambda: None, lambda: model[2].bias.requires_grad_(False), lambda: model[2].bias.requires_grad_(True)):
+        change()
+        model.zero_grad()
+        router(x).sum().backward()
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                assert torch.equal(p.grad, first[name]), name
+    assert first["0.weight"] is not None and not torch.equal(first["0.weight"], want["0.weight"])  # FA, not exact
+    model.zero_grad()
+    fxnx.CreditRouter(G, model, rule="feedback_alignment")(x).sum().backward()
+    assert model[0].weight.grad is None and torch.equal(model[2].weight.grad, first["2.weight"])
+
+
+def _autograd_grads(model, x):
+    twin = copy.deepcopy(model)
+    twin(x).sum().backward()
+    return _grads(twin)
+
+
 def test_results_are_their_own_tensors():
     model = _mlp(5, 7, 3)
     x = torch.randn(4, 5, dtype=f64)

@@ -51,6 +51,10 @@ class RouteResult:
     varies : str
         Why the graph holds one of the model's forwards among several (it drew random
         numbers in Python while it was captured), in words; empty otherwise.
+    unroutable : str
+        Why autograd over the graph is not the model's backward for every input the graph
+        takes (a custom autograd Function's forward inlined without its backward, a branch
+        on a tensor's value), in words; empty otherwise.
     """
 
     gm: fx.GraphModule
@@ -59,6 +63,7 @@ class RouteResult:
     specialised: bool = False
     shape_specialised: bool = True
     varies: str = ""
+    unroutable: str = ""
 
 
 @dataclass(frozen=True)

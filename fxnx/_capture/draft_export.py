@@ -11,7 +11,7 @@ from typing import Any
 from .common import Route, RouteResult
 from .export import export_graph
 from .inputs import Inputs
-from .make_fx import reads_random_values, reads_tensor_values
+from .make_fx import reads_random_values
 from .options import CaptureOptions
 
 __all__ = ["ROUTE"]
@@ -19,8 +19,8 @@ __all__ = ["ROUTE"]
 
 def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:
     assert inputs is not None  # the ladder checks needs_inputs
-    gm, varies = export_graph(model, inputs, draft=True)
-    return RouteResult(gm, specialised=reads_tensor_values(gm), varies=varies or reads_random_values(gm))
+    gm, varies, unroutable, specialised = export_graph(model, inputs, draft=True)
+    return RouteResult(gm, specialised=specialised, varies=varies or reads_random_values(gm), unroutable=unroutable)
 
 
 ROUTE = Route(name="draft_export", level="aten", needs_inputs=True, run=_run)

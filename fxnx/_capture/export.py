@@ -13,27 +13,35 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .._compat import pytree
+from .._compat import pytree, value_reads
 from .._errors import CaptureError, first_line
 from .._state import preserved
 from .common import Route, RouteResult, as_module, drawn, draws_varies, quiet
+from .functions import applied
 from .inputs import Inputs
+from .make_fx import reads_tensor_values
 from .options import CaptureOptions
 
 __all__ = ["ROUTE", "export_graph"]
 
 
-def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphModule, str]:
-    """The graph ``torch.export`` (non-strict) or ``torch.export.draft_export`` makes, and why
-    it holds one random draw of the model's, if it does: the model drew from Python's
-    ``random`` (or NumPy's) while traced, a choice held in the graph. torch's own generator is
-    not watched: export traces fake tensors, which draw nothing, and draft_export runs the
-    model's random operations, which its graph records."""
+def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphModule, str, str, bool]:
+    """The graph ``torch.export`` (non-strict) or ``torch.export.draft_export`` makes, why
+    it holds one random draw of the model's, if it does, why autograd over it is not the
+    model's backward, if it is not (:attr:`RouteResult.unroutable`), and whether control
+    flow read a tensor's value.
+
+    A random draw: the model drew from Python's ``random`` (or NumPy's) while traced, a
+    choice held in the graph. torch's own generator is not watched: export traces fake
+    tensors, which draw nothing, and draft_export runs the model's random operations, which
+    its graph records. Not the model's backward: the graph holds a custom autograd
+    Function's forward operations without its backward, or (draft_export) the branches a
+    condition on a tensor's value took for the example."""
     module = as_module(model)
     args, kwargs = tuple(inputs.args), dict(inputs.kwargs)
     name = "torch.export.draft_export" if draft else "torch.export.export(strict=False)"
     try:
-        with preserved(module), quiet(), drawn(torch_rng=False) as draws:
+        with preserved(module), quiet(), drawn(torch_rng=False) as draws, applied() as functions:
             if draft:
                 program = torch.export.draft_export(module, args, kwargs)
             else:
@@ -42,6 +50,20 @@ def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphMo
     except Exception as err:
         raise CaptureError(f"{name} failed: {type(err).__name__}: {first_line(err)}") from err
     varies = draws_varies(draws, name)
+    why = []
+    if functions:
+        why.append(
+            f"its forward applies the autograd Function {', '.join(f.__qualname__ for f in functions)}, "
+            f"whose backward {name} does not keep (its graph holds the Function's forward operations)"
+        )
+    reads = [expr for expr in value_reads(program) if expr] if draft else []
+    specialised = bool(reads) or reads_tensor_values(gm)
+    if specialised:
+        why.append(
+            "its control flow read tensor values"
+            + (f" ({', '.join(reads[:3])})" if reads else "")
+            + ", so the graph follows the branches the example input took"
+        )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     leaves = pytree.tree_leaves((args, kwargs))
     if len(placeholders) != len(leaves):
@@ -49,13 +71,13 @@ def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphMo
             f"{name} made a graph with {len(placeholders)} inputs for {len(leaves)} input "
             "values; fxnx cannot tell which is which"
         )
-    return gm, varies
+    return gm, varies, "; and ".join(why), specialised
 
 
 def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:
     assert inputs is not None  # the ladder checks needs_inputs
-    gm, varies = export_graph(model, inputs, draft=False)
-    return RouteResult(gm, varies=varies)
+    gm, varies, unroutable, _ = export_graph(model, inputs, draft=False)
+    return RouteResult(gm, varies=varies, unroutable=unroutable)
 
 
 ROUTE = Route(name="export", level="aten", needs_inputs=True, run=_run)

@@ -86,6 +86,10 @@ class Capture:
         Why the model's forward is not one graph, where fxnx saw that it is not (a random
         choice made in Python while it was captured, a control flow that read a random
         value), in words; empty otherwise.
+    unroutable : str
+        Why autograd over the graph is not the model's backward for every input it takes (a
+        custom autograd Function inlined, a branch on a tensor's value), in words; empty
+        otherwise. Credit runs other than the model's own forward refuse such a capture.
     propagation : Any
         What a ``propagate=`` function returned for the winning graph (None otherwise).
     """
@@ -102,6 +106,7 @@ class Capture:
     fixed_kwargs: dict[str, Any] = field(default_factory=dict)
     shape_specialised: bool = True
     varies: str = ""
+    unroutable: str = ""
     propagation: Any = None
 
     @property
@@ -293,7 +298,7 @@ def _capture(
             )
         if options.level == "joint":
             return _capture_joint(model, inputs, options, fake)
-    varies, propagation = "", None
+    varies, unroutable, propagation = "", "", None
     failures: list[tuple[str, str]]
     if isinstance(model, fx.GraphModule):
         gm, failures = copy_graph_module(model), []
@@ -304,11 +309,18 @@ def _capture(
     else:
         name, result, failures, propagation = _ladder(model, inputs, options, fake, propagate)
         gm, aten, specialised, varies = result.gm, result.aten, result.shape_specialised, result.varies
+        unroutable = result.unroutable
         options, level = options.captured(name, result.opaque), ROUTES[name].level
         if level == "aten":
             specialised = True  # torch.export and make_fx specialise to the example's shapes
         values = placeholder_values(inputs, gm, level)
     run = aten is not None or (bool(propagate) and values is not None)  # make_fx recorded every shape
+    if unroutable:
+        warn_user(
+            f"{qualname(model)} was captured with {options.route}, but {unroutable}: route_credit "
+            "and CreditRouter refuse this graph, but for CreditRouter with rule='exact' and "
+            "node_credit=False, which runs the model's own forward"
+        )
     if varies:
         warn_user(
             f"{qualname(model)}'s forward is not one graph: {varies}. Convert it in eval mode "
@@ -319,7 +331,7 @@ def _capture(
         gm=gm, model=model, options=options, propagated=run, inputs=values,
         shape_source=(_source(model, fake, options.route) if run else None), level=level,
         failures=tuple(failures), aten=aten, fixed_kwargs=fixed, shape_specialised=specialised,
-        varies=varies, propagation=propagation,
+        varies=varies, unroutable=unroutable, propagation=propagation,
     )
 
 

@@ -37,7 +37,7 @@ from .ladder import Capture, capture
 from .options import CaptureOptions, LeafSpec, concrete_items, leaf_names, plain_equal
 from .registry import ROUTES
 
-__all__ = ["inputs_key", "kept_on", "options_of", "placeholders_for", "recapture", "traced_through"]
+__all__ = ["inputs_key", "kept_on", "options_of", "placeholders_for", "recapture", "snapshot", "traced_through"]
 
 #: Where on ``G`` (as a Python attribute, not graph data) the captures are kept.
 _SLOT = "_fxnx_captures"
@@ -167,6 +167,15 @@ def options_of(G: nx.MultiDiGraph) -> CaptureOptions:
         routes=(route,) if route in ROUTES else (), level=G.graph.get("level", "module"),
         leaf_on_failure=bool(G.graph.get("opaque_modules")),
     )
+
+
+def snapshot(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
+    """``G`` as it is now (its nodes, edges and their data: a copy of each attribute dict,
+    the values shared), reusing the captures kept on ``G``: what a router routes over, so
+    that an edit of ``G`` after it was built never changes its routing at some later step."""
+    H = G.copy()
+    vars(H)[_SLOT] = kept_on(G, _SLOT)
+    return H
 
 
 def kept_on(G: nx.MultiDiGraph, slot: str) -> dict[Any, Any]:

@@ -39,6 +39,7 @@ from torch import nn
 from .._compat import mask_helpers
 from .._contract import class_name
 from .._state import preserved
+from .functions import kept_whole
 from .options import CLASS_PREFIX, TORCH_NN
 
 __all__ = [
@@ -137,7 +138,9 @@ class Tracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._tensor_names = None  # the root's parameters and buffers, named afresh per trace
-        with torch.enable_grad():  # so that a node made with gradients off is the model's doing
+        # Gradients on, so that a node made with them off is the model's doing; a custom
+        # autograd Function one node, which keeps its backward (:mod:`.functions`).
+        with torch.enable_grad(), kept_whole(self):
             return super().trace(root, concrete_args)
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,

@@ -22,7 +22,7 @@ from .._capture.fingerprint import fingerprint, structure
 from .._capture.inputs import bind_inputs, qualname
 from .._capture.ladder import Capture
 from .._capture.options import LeafSpec
-from .._capture.reuse import inputs_key, kept_on, placeholders_for, recapture, traced_through
+from .._capture.reuse import inputs_key, kept_on, placeholders_for, recapture, snapshot, traced_through
 from .._compat import pytree
 from .._contract import validate
 from .._errors import FxnxError, FxnxTypeError, FxnxValueError
@@ -78,6 +78,8 @@ class CreditRouter(nn.Module):
     G : networkx.MultiDiGraph
         The graph :func:`fxnx.convert` made of ``model``, possibly with edges
         removed (an edge removed carries no credit; its value still flows forward).
+        The router routes over ``G`` as it is here (``router.G`` is a copy): an edit
+        of ``G`` afterwards is not seen; build a new router to route over it.
     model : nn.Module or callable
     rule : str, Rule, Preset or mapping
         A preset name (``"exact"``, ``"feedback_alignment"``, ``"usf"``,
@@ -182,7 +184,7 @@ class CreditRouter(nn.Module):
             self.model = model
         else:  # a plain callable: not a submodule
             object.__setattr__(self, "model", model)
-        self.G = G
+        self.G = snapshot(G)
         self.seed = seed
         self.node_credit = bool(node_credit)
         self._given = dict(feedback or {})
@@ -438,6 +440,15 @@ class CreditRouter(nn.Module):
             run = graft(plan, seed=self.seed, collect=collect, probe=seen)
             run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
+        if cap.unroutable and not run.plain:
+            raise FxnxValueError(
+                f"credit cannot be routed over the graph {cap.method} captured of "
+                f"{qualname(self.model)}: {cap.unroutable}. Credit over it would be another "
+                "backward than the model's. Convert with routes='symbolic_trace' where it traces "
+                "the model (it keeps a custom autograd Function whole), make a branch a tensor "
+                "operation (torch.where, torch.cond), or train with rule='exact' and "
+                "node_credit=False, which runs the model's own forward"
+            )
         self._plan = run.plan
         self._fixed = {}  # bound afresh for this capture
         if isinstance(self.model, nn.Module):
