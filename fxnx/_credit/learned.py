@@ -6,13 +6,14 @@ bring ``B`` into alignment with ``W`` as training goes, which is what let them
 reach backprop's accuracy on ImageNet ("Deep learning without weight transport",
 NeurIPS 2019). ``B`` learns when the router is told to:
 :meth:`CreditRouter.update_feedback <fxnx.CreditRouter.update_feedback>`, once
-per step, after the backward pass::
+per step, after the optimizer's step (a mirror then reflects the ``W`` the next
+forward runs with)::
 
     loss.backward()
-    router.update_feedback(lr=0.05, weight_decay=1e-4)   # the optimizer's lr and decay
     opt.step()
+    router.update_feedback(lr=0.05, weight_decay=1e-4)   # the optimizer's lr and decay
 
-or, to have the optimizer call it, ``opt.register_step_pre_hook(lambda *_:
+or, to have the optimizer call it, ``opt.register_step_post_hook(lambda *_:
 router.update_feedback(lr=..., weight_decay=...))``.
 """
 
