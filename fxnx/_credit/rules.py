@@ -124,7 +124,11 @@ class Rule:
         return self
 
     def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__qualname__} is a Rule without a __call__ of its own: define "
+            "__call__(self, call, credit, state), returning (input_credits, param_credits) for "
+            f"the node (node {call.name!r} needs it now)"
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
