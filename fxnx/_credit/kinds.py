@@ -6,13 +6,16 @@ A kind is a module class or a function, as presets key rules by them (:mod:`.pre
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._compat import OpOverload
+
 __all__ = ["CONTAINERS", "CONVOLUTIONS", "LAYERS", "NATIVE_FUNCTIONS", "WEIGHTED_FUNCTIONS",
-           "WEIGHTED_MODULES"]
+           "WEIGHTED_MODULES", "kind_name"]
 
 _aten = torch.ops.aten
 
@@ -50,3 +53,30 @@ NATIVE_FUNCTIONS = frozenset(WEIGHTED_FUNCTIONS) - {
     torch.baddbmm, torch.bmm, torch.einsum,
     _aten.baddbmm.default, _aten.bmm.default, _aten.einsum.default,
 }
+
+
+#: How module paths of functions read in messages.
+_MODULES = {"torch.nn.functional": "F", "torch._C._nn": "F", "_operator": "operator"}
+
+
+def kind_name(kind: Any) -> str:
+    """A node kind (a key of a preset) as messages show it.
+
+    Examples
+    --------
+    >>> [kind_name(k) for k in (nn.Conv2d, F.relu, torch.relu, _aten.linear.default, ("call_method", "view"))]
+    ['nn.Conv2d', 'F.relu', 'torch.relu', 'aten.linear.default', "method('view')"]
+    """
+    if isinstance(kind, type):
+        public = kind.__module__.startswith("torch.nn.")
+        return f"nn.{kind.__qualname__}" if public else kind.__qualname__
+    if isinstance(kind, tuple):
+        return f"method({kind[1]!r})"
+    if isinstance(kind, OpOverload):
+        return str(kind)
+    name = getattr(kind, "__name__", None)
+    if name is None:
+        return repr(kind)
+    module = getattr(kind, "__module__", None)
+    module = _MODULES.get(module, module) if isinstance(module, str) else None
+    return f"{module}.{name}" if module else name

@@ -66,6 +66,12 @@ class NodeCall:
         For the occurrences of ``param_inputs`` that are such a view, the view to take of a
         tensor laid out like the parameter (``lambda B: B.T``): what a rule that puts ``B``
         in the parameter's place passes there.
+    owner : type or None
+        The class of the module whose own ``forward`` ran this node: a ``call_module``
+        node's module's; for another node, that of the innermost module of its module
+        stack (``node.meta["nn_module_stack"]``: a layer ``torch.export`` recorded as ATen
+        calls, a subclass a symbolic trace went through), the model's at its top level.
+        None where unknown. A preset's module classes match it (:mod:`.presets`).
     """
 
     name: str
@@ -82,6 +88,7 @@ class NodeCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
     param_inputs: dict[int, tuple[str, Tensor]] = field(default_factory=dict)
     param_views: dict[int, Callable[[Tensor], Tensor]] = field(default_factory=dict)
+    owner: type | None = None
 
     def own_parameters(self) -> list[Tensor]:
         """The node's trainable parameters: its input occurrences that are one (a function

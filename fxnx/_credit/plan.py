@@ -86,6 +86,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
             name=node.name, op=node.op, target=node.target, module=module,
             sources=[src.name for _, src in occ], labels=[label for label, _ in occ],
             inputs=[], output=None, params=params, args=node.args, kwargs=dict(node.kwargs),
+            owner=_owner(node, module, model),
             **_param_inputs(gm, [src.name for _, src in occ], entries),
         )
         entry = Entry(node=node, call=call)
@@ -111,6 +112,34 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
         if entry.param is not None:
             params[entry.param] = fetch_attr(gm, entry.node.target)  # type: ignore[arg-type]
     return Plan(gm, list(entries.values()), params, _untraced_counters(gm, model))
+
+
+def _owner(node: fx.Node, module: nn.Module | None, model: Any) -> type | None:
+    """The class of the module whose own ``forward`` ran ``node`` (:attr:`NodeCall.owner`).
+
+    A symbolic trace records the classes themselves in ``nn_module_stack`` and nothing for
+    the model's own calls; ``torch.export`` records class names, the model included, so
+    its classes are found by their paths in ``model`` (or, failing that, by name).
+    """
+    if module is not None:
+        return type(module)
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return type(model) if isinstance(model, nn.Module) else None
+    path, cls = list(stack.values())[-1]
+    if isinstance(cls, type):
+        return cls
+    if not isinstance(model, nn.Module):
+        return None
+    try:
+        return type(model.get_submodule(str(path)))
+    except AttributeError:  # a path that is not an attribute path: find the class by name
+        return _classes(model).get(str(cls))
+
+
+def _classes(model: nn.Module) -> dict[str, type]:
+    """Qualified class name to class, for the modules of ``model``."""
+    return {f"{type(m).__module__}.{type(m).__qualname__}": type(m) for m in model.modules()}
 
 
 def _untraced_counters(gm: fx.GraphModule, model: Any) -> list[Tensor]:

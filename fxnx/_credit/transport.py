@@ -30,10 +30,10 @@ from torch import Tensor, nn
 
 from .._compat import pytree
 from .._errors import FxnxTypeError, FxnxValueError
-from .kinds import CONTAINERS, LAYERS, WEIGHTED_MODULES
+from .kinds import CONTAINERS, LAYERS, WEIGHTED_MODULES, kind_name
 from .nodecall import Credit, NodeCall, call_target, pairs
 
-__all__ = ["attention", "exact_parameters", "feedback_weights", "has_weights", "transported"]
+__all__ = ["attention", "exact_parameters", "feedback_weights", "has_weights", "no_weights", "transported"]
 
 
 
@@ -56,8 +56,18 @@ def feedback_weights(call: NodeCall) -> dict[str, Tensor]:
     weights = _other_weights(call)
     if weights:
         return weights
-    kind = type(module).__qualname__ if module is not None else f"{call.op} {call.target!r}"
-    raise FxnxTypeError(
+    raise no_weights(call)
+
+
+def no_weights(call: NodeCall) -> FxnxTypeError:
+    """The error for feedback weights asked of ``call``'s node, which has no weight: one
+    wording for module and function nodes alike."""
+    module = call.module
+    if module is not None:
+        kind = type(module).__qualname__
+    else:
+        kind = kind_name(("call_method", call.target) if call.op == "call_method" else call.target)
+    return FxnxTypeError(
         f"node {call.name!r} ({kind}) has no weight to replace with feedback weights: no "
         "trainable parameter of two or more dimensions is among its arguments or its module's "
         "parameters; route it exactly, e.g. rules={" + repr(call.name) + ": fxnx.credit.Exact()}"

@@ -1,0 +1,195 @@
+"""Which nodes a rule's key matches: module classes on every capture, kinds that match no node,
+rules given by name, and the one edge per argument the routing relies on.
+
+Every number is checked against an oracle of its own: autograd on a deep copy of the model
+for the exact parts, feedback alignment's formula written out (input credit ``g @ B``, weight
+credit exact given the credit at the layer's output) for the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxnx
+from fxnx.credit import PRESETS, Exact, FeedbackAlignment
+
+from conftest import rel_error
+
+f64 = torch.float64
+aten = torch.ops.aten
+
+
+class ConvNet(nn.Module):
+    """Two convolutions and a linear layer, the README's ``nn.Conv2d: Exact()`` example."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 3, 3, padding=1)
+        self.c2 = nn.Conv2d(3, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.c2(torch.tanh(self.c1(x))))
+        return self.fc(h.flatten(1))
+
+
+class MyLin(nn.Linear):
+    """A subclass with a forward of its own: a symbolic trace goes through it (``F.linear``)."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class SubclassNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(4, 5), MyLin(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+def _grads(router, x, e):
+    """Each parameter's credit from one routed backward of ``router(x)`` with output credit ``e``."""
+    router.model.zero_grad()
+    (router(x) * e).sum().backward()
+    return {n: p.grad.clone() for n, p in router.model.named_parameters()}
+
+
+def _close(got, want):
+    for name, g in want.items():
+        assert rel_error(got[name], g) <= 1e-12, name
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        {"rule": PRESETS["feedback_alignment"] | {nn.Conv2d: Exact()}},
+        {"rule": "feedback_alignment", "rules": {nn.Conv2d: Exact()}},
+        # an entry added later wins even where the preset keys the node's module class
+        {"rule": PRESETS["feedback_alignment"] | {aten.conv2d.default: Exact()}},
+    ],
+    ids=["preset_merge", "rules", "preset_merge_by_function"],
+)
+def test_a_module_class_key_matches_an_exported_layer(how):
+    torch.manual_seed(0)
+    model = ConvNet().double()
+    x, e = torch.randn(2, 2, 4, 4, dtype=f64), torch.randn(2, 4, dtype=f64)
+    G = fxnx.convert(model, x, routes="export")
+    assert G.graph["capture"] == "export" and model.c1.weight.abs().min() > 0
+    router = fxnx.CreditRouter(G, model, seed=0, **how)
+    got = _grads(router, x, e)
+    assert sorted(router.feedback) == ["linear"]  # the convolutions are exact
+    B = router.feedback["linear"]
+    # oracle: autograd through the convolutions, feedback alignment at the linear layer
+    o = copy.deepcopy(model)
+    f = torch.tanh(o.c2(torch.tanh(o.c1(x)))).flatten(1)
+    want = {"fc.weight": e.T @ f.detach(), "fc.bias": e.sum(0)}
+    f.backward(e @ B)
+    want |= {n: p.grad for n, p in o.named_parameters() if n.startswith("c")}
+    _close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("key", "feedback"),
+    [(nn.Linear, ["l1", "l3", "linear"]), (MyLin, ["linear"])],
+    ids=["base_class", "subclass"],
+)
+def test_a_module_class_key_matches_a_subclass_traced_through(key, feedback):
+    torch.manual_seed(0)
+    model = SubclassNet().double()
+    x, e = torch.randn(7, 4, dtype=f64), torch.randn(7, 3, dtype=f64)
+    G = fxnx.convert(model, x)
+    assert G.graph["capture"] == "symbolic_trace" and G.nodes["linear"]["op"] == "call_function"
+    router = fxnx.CreditRouter(G, model, rule="exact", rules={key: FeedbackAlignment()}, seed=0)
+    got = _grads(router, x, e)
+    assert sorted(router.feedback) == feedback
+    # oracle: feedback alignment written out where it applies, W where the layer is exact
+    m = {"l1": model.l1, "linear": model.l2, "l3": model.l3}
+    back = {n: router.feedback.get(n, m[n].weight).detach() for n in m}
+    W1, b1, W2, b2 = (t.detach() for t in (model.l1.weight, model.l1.bias, model.l2.weight, model.l2.bias))
+    h1 = torch.tanh(x @ W1.T + b1)
+    h2 = torch.tanh(h1 @ W2.T + b2)
+    d2 = (e @ back["l3"]) * (1 - h2**2)
+    d1 = (d2 @ back["linear"]) * (1 - h1**2)
+    want = {"l3.weight": e.T @ h2, "l3.bias": e.sum(0), "l2.weight": d2.T @ h1, "l2.bias": d2.sum(0),
+            "l1.weight": d1.T @ x, "l1.bias": d1.sum(0)}
+    _close(got, want)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def test_a_kind_the_user_gave_that_matches_no_node_warns():
+    model = _mlp()
+    x = torch.randn(6, 4, dtype=f64)
+    G = fxnx.convert(model, x)
+    with pytest.warns(UserWarning, match=r"no node of this graph is nn\.Conv2d.*kinds with weights are nn\.Linear"):
+        fxnx.route_credit(G, model, x, rules={nn.Conv2d: FeedbackAlignment()})
+    with pytest.warns(UserWarning, match=r"rule for torch\.relu.*node kinds are nn\.Linear, nn\.Tanh"):
+        fxnx.route_credit(G, model, x, rule=PRESETS["feedback_alignment"] | {torch.relu: Exact()})
+    with pytest.warns(UserWarning, match=r"no node of this graph is nn\.Conv2d"):
+        router = fxnx.CreditRouter(G, model, rules={nn.Conv2d: Exact()})
+        router(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a preset's own kinds, and kinds that match, are quiet
+        fxnx.route_credit(G, model, x, rule="feedback_alignment")
+        fxnx.route_credit(G, model, x, rule=PRESETS["feedback_alignment"] | {nn.Tanh: Exact()})
+        fxnx.route_credit(G, model, x, rules={nn.Linear: Exact()})
+
+
+class TanhNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.act, self.l2 = nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.act(self.l1(x))))
+
+
+def test_a_feedback_rule_by_name_needs_weights_at_function_nodes_too():
+    torch.manual_seed(0)
+    model = TanhNet().double()
+    x = torch.randn(6, 4, dtype=f64)
+    G = fxnx.convert(model, x)
+    assert G.nodes["tanh"]["op"] == "call_function"
+    for name, kind in [("act", "Tanh"), ("tanh", "torch.tanh")]:
+        with pytest.raises(fxnx.errors.FxnxTypeError, match=rf"node '{name}' \({kind}\) has no weight"):
+            fxnx.route_credit(G, model, x, rules={name: FeedbackAlignment()})
+    # by kind, a function node without weights stays exact, as documented
+    res = fxnx.route_credit(G, model, x, rules={torch.tanh: FeedbackAlignment()})
+    o = copy.deepcopy(model)
+    o(x).sum().backward()
+    _close(res.param_credit, {n: p.grad for n, p in o.named_parameters()})
+
+
+def test_two_edges_claiming_one_argument_are_refused():
+    model = _mlp()
+    x = torch.randn(6, 4, dtype=f64)
+    G = fxnx.convert(model, x)
+    copied = G.copy()
+    copied.add_edge("_1", "_2", **G.edges["_1", "_2", 0])  # a parallel edge copied
+    with pytest.raises(fxnx.errors.GraphContractError,
+                       match=r"'_1' -> '_2' \(key 0\) and '_1' -> '_2' \(key 1\) both claim argument 0 of node '_2'.*remove_edge\('_1', '_2', 1\)"):
+        fxnx.CreditRouter(copied, model)
+
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x
+
+    G = fxnx.convert(Square(), x)
+    assert sorted(a for *_, a in G.in_edges("mul", data="arg")) == [0, 1]
+    moved = G.copy()
+    moved.edges["x", "mul", 1]["arg"] = 0  # an arg changed to the other occurrence's
+    with pytest.raises(fxnx.errors.GraphContractError, match=r"both claim argument 0 of node 'mul'"):
+        fxnx.route_credit(moved, Square(), x)
+    with pytest.raises(fxnx.errors.GraphContractError, match="both claim argument 0"):
+        fxnx.validate(moved)
