@@ -135,45 +135,70 @@ def test_a_reentrant_checkpoint_inside_the_model_is_traced_through():
 
 
 def test_a_graph_that_lost_the_models_backward_is_refused_for_credit():
-    """torch.export inlines a custom Function's forward and drops its backward; draft_export
-    follows the branch a condition on a tensor's value took for the example. Credit over
-    either would be another backward than the model's (a straight-through layer's credit
-    was zero; a loop run another number of times gave another output): refused, naming the
-    cause, with a warning at conversion. The exact router that runs the model's own forward
-    still trains it."""
-
-    class Loop(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(4, 4)
-
-        def forward(self, x):
-            for _ in range(1 if x.abs().max().item() > 1.0 else 2):
-                x = torch.tanh(self.a(x))
-            return x
-
-    x = torch.randn(4, 5, dtype=f64)
+    """torch.export inlines a custom Function's forward and drops its backward: credit over
+    its graph would be another backward than the model's (a straight-through layer's credit
+    was zero). Refused, naming the Function, with a warning at conversion; the exact router
+    that runs the model's own forward still trains the model."""
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
     function = "applies the autograd Function _StraightThrough"
-    cases = [
-        (_Net(lambda h: _StraightThrough.apply(h)).double(), x, "export", function),
+    for model, routes in [
+        (_Net(lambda h: _StraightThrough.apply(h)).double(), "export"),
         # apply bound before the trace: symbolic_trace cannot keep it whole, export comes next
-        (_Net(_StraightThrough.apply).double(), x, "auto", function),
-        (Loop().double(), torch.full((3, 4), 0.5, dtype=f64), "draft_export", r"read tensor values \(.*> 1\.0\)"),
-    ]
-    for model, x, routes, why in cases:
-        with pytest.warns(UserWarning, match=why):
+        (_Net(_StraightThrough.apply).double(), "auto"),
+    ]:
+        with pytest.warns(UserWarning, match=function):
             G = fxnx.convert(model, x, routes=routes)
-        route = G.graph["capture"]
+        assert G.graph["capture"] == "export"
         for rule in ("exact", "feedback_alignment"):
-            with pytest.raises(fxnx.errors.FxnxValueError, match=f"credit cannot be routed over the graph {route}.*{why}"):
+            with pytest.raises(fxnx.errors.FxnxValueError, match=f"credit cannot be routed over the graph export.*{function}"):
                 fxnx.CreditRouter(G, model, rule=rule, node_credit=True)(x)
-        with pytest.raises(fxnx.errors.FxnxValueError, match=why):
+        with pytest.raises(fxnx.errors.FxnxValueError, match=function):
             fxnx.route_credit(G, model, x)
-        big = x * 3  # the loop's other branch
-        want = _autograd(model, big, torch.ones_like(model(big)))
-        router = fxnx.CreditRouter(G, model)
-        assert torch.equal(router(big), model(big))
+        want = _autograd(model, x, e)
         model.zero_grad()
-        router(big).sum().backward()
+        (fxnx.CreditRouter(G, model)(x) * e).sum().backward()
         for name, grad in _grads(model).items():
             assert torch.equal(grad, want[name]), name
+
+
+class _Loop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for _ in range(1 if x.abs().max().item() > 1.0 else 2):
+            x = torch.tanh(self.a(x))
+        return x
+
+
+def test_a_graph_that_follows_the_examples_values_is_checked_at_every_call():
+    """draft_export follows the branch a condition on a tensor's value took for the example
+    (its graph drops the read). Credit over it on an input that takes another branch was
+    credit for another forward (output 0.98 off, no error); each call is now compared with
+    the model's output and refused where they differ, naming the condition. Inputs that take
+    the example's branch route as before, and the exact router runs the model's own forward
+    on any input."""
+    model = _Loop().double()
+    small, big = torch.full((3, 4), 0.5, dtype=f64), torch.full((3, 4), 2.0, dtype=f64)
+    with pytest.warns(UserWarning, match="read tensor values"):
+        G = fxnx.convert(model, small)
+    assert G.graph["capture"] == "draft_export"
+    router = fxnx.CreditRouter(G, model, rule="exact", node_credit=True)
+    for x in (small, small * 0.9):
+        want = _autograd(model, x, torch.ones(3, 4, dtype=f64))
+        model.zero_grad()
+        router(x).sum().backward()
+        for name, grad in _grads(model).items():
+            torch.testing.assert_close(grad, want[name], rtol=1e-12, atol=0, msg=name)
+    for run in (lambda: router(big), lambda: fxnx.route_credit(G, model, big),
+                lambda: fxnx.CreditRouter(G, model, rule="feedback_alignment")(big)):
+        with pytest.raises(fxnx.errors.FxnxValueError, match=r"read tensor values \(.*> 1\.0\), and the graph follows the branches"):
+            run()
+    plain = fxnx.CreditRouter(G, model)
+    want = _autograd(model, big, torch.ones(3, 4, dtype=f64))
+    model.zero_grad()
+    plain(big).sum().backward()
+    for name, grad in _grads(model).items():
+        assert torch.equal(grad, want[name]), name

@@ -52,9 +52,11 @@ class RouteResult:
         Why the graph holds one of the model's forwards among several (it drew random
         numbers in Python while it was captured), in words; empty otherwise.
     unroutable : str
-        Why autograd over the graph is not the model's backward for every input the graph
-        takes (a custom autograd Function's forward inlined without its backward, a branch
-        on a tensor's value), in words; empty otherwise.
+        Why autograd over the graph is not the model's backward (a custom autograd
+        Function's forward inlined without its backward), in words; empty otherwise.
+    reads_values : str
+        The conditions on tensor values the graph's branches were taken on for the example
+        (``u0 > 1``), where the graph may not show them; empty where none was seen.
     """
 
     gm: fx.GraphModule
@@ -64,6 +66,7 @@ class RouteResult:
     shape_specialised: bool = True
     varies: str = ""
     unroutable: str = ""
+    reads_values: str = ""
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,11 @@ __all__ = ["ROUTE"]
 
 def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:
     assert inputs is not None  # the ladder checks needs_inputs
-    gm, varies, unroutable, specialised = export_graph(model, inputs, draft=True)
-    return RouteResult(gm, specialised=specialised, varies=varies or reads_random_values(gm), unroutable=unroutable)
+    gm, varies, unroutable, reads = export_graph(model, inputs, draft=True)
+    return RouteResult(
+        gm, specialised=bool(reads), varies=varies or reads_random_values(gm), unroutable=unroutable,
+        reads_values=reads,
+    )
 
 
 ROUTE = Route(name="draft_export", level="aten", needs_inputs=True, run=_run)

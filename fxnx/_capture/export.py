@@ -25,11 +25,11 @@ from .options import CaptureOptions
 __all__ = ["ROUTE", "export_graph"]
 
 
-def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphModule, str, str, bool]:
+def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphModule, str, str, str]:
     """The graph ``torch.export`` (non-strict) or ``torch.export.draft_export`` makes, why
     it holds one random draw of the model's, if it does, why autograd over it is not the
-    model's backward, if it is not (:attr:`RouteResult.unroutable`), and whether control
-    flow read a tensor's value.
+    model's backward, if it is not (:attr:`RouteResult.unroutable`), and the conditions on
+    tensor values its control flow met (:attr:`RouteResult.reads_values`).
 
     A random draw: the model drew from Python's ``random`` (or NumPy's) while traced, a
     choice held in the graph. torch's own generator is not watched: export traces fake
@@ -57,13 +57,8 @@ def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphMo
             f"whose backward {name} does not keep (its graph holds the Function's forward operations)"
         )
     reads = [expr for expr in value_reads(program) if expr] if draft else []
-    specialised = bool(reads) or reads_tensor_values(gm)
-    if specialised:
-        why.append(
-            "its control flow read tensor values"
-            + (f" ({', '.join(reads[:3])})" if reads else "")
-            + ", so the graph follows the branches the example input took"
-        )
+    if not reads and reads_tensor_values(gm):
+        reads = ["a value read in the graph"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     leaves = pytree.tree_leaves((args, kwargs))
     if len(placeholders) != len(leaves):
@@ -71,7 +66,7 @@ def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphMo
             f"{name} made a graph with {len(placeholders)} inputs for {len(leaves)} input "
             "values; fxnx cannot tell which is which"
         )
-    return gm, varies, "; and ".join(why), specialised
+    return gm, varies, "; and ".join(why), ", ".join(reads[:3])
 
 
 def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:

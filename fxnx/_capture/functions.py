@@ -81,11 +81,17 @@ def applied() -> Iterator[list[type[torch.autograd.Function]]]:
     thread, found = threading.get_ident(), list[type[torch.autograd.Function]]()
 
     def forward(cls: type[torch.autograd.Function], args: Any, kwargs: Any) -> None:
-        if threading.get_ident() == thread and cls not in found:
+        if threading.get_ident() == thread and cls not in found and not _an_operators(cls):
             found.append(cls)
 
     with _forwards(forward):
         yield found
+
+
+def _an_operators(cls: type[torch.autograd.Function]) -> bool:
+    """Whether ``cls`` is the autograd of a custom operator (``torch.library``'s
+    ``register_autograd`` makes one): export keeps the operator, whose backward is that."""
+    return cls.__module__.startswith("torch._library")
 
 
 def _proxied(args: Any, kwargs: Any) -> bool:

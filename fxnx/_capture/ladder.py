@@ -87,9 +87,13 @@ class Capture:
         choice made in Python while it was captured, a control flow that read a random
         value), in words; empty otherwise.
     unroutable : str
-        Why autograd over the graph is not the model's backward for every input it takes (a
-        custom autograd Function inlined, a branch on a tensor's value), in words; empty
-        otherwise. Credit runs other than the model's own forward refuse such a capture.
+        Why autograd over the graph is not the model's backward (a custom autograd Function
+        inlined), in words; empty otherwise. Credit runs other than the model's own forward
+        refuse such a capture.
+    reads_values : str
+        The conditions on tensor values the graph's branches follow for the example; empty
+        where none was seen. Credit runs other than the model's own forward compare the
+        graph's output with the model's at every call over such a capture.
     propagation : Any
         What a ``propagate=`` function returned for the winning graph (None otherwise).
     """
@@ -107,6 +111,7 @@ class Capture:
     shape_specialised: bool = True
     varies: str = ""
     unroutable: str = ""
+    reads_values: str = ""
     propagation: Any = None
 
     @property
@@ -298,7 +303,7 @@ def _capture(
             )
         if options.level == "joint":
             return _capture_joint(model, inputs, options, fake)
-    varies, unroutable, propagation = "", "", None
+    varies, unroutable, reads, propagation = "", "", "", None
     failures: list[tuple[str, str]]
     if isinstance(model, fx.GraphModule):
         gm, failures = copy_graph_module(model), []
@@ -309,7 +314,7 @@ def _capture(
     else:
         name, result, failures, propagation = _ladder(model, inputs, options, fake, propagate)
         gm, aten, specialised, varies = result.gm, result.aten, result.shape_specialised, result.varies
-        unroutable = result.unroutable
+        unroutable, reads = result.unroutable, result.reads_values
         options, level = options.captured(name, result.opaque), ROUTES[name].level
         if level == "aten":
             specialised = True  # torch.export and make_fx specialise to the example's shapes
@@ -331,7 +336,7 @@ def _capture(
         gm=gm, model=model, options=options, propagated=run, inputs=values,
         shape_source=(_source(model, fake, options.route) if run else None), level=level,
         failures=tuple(failures), aten=aten, fixed_kwargs=fixed, shape_specialised=specialised,
-        varies=varies, unroutable=unroutable, propagation=propagation,
+        varies=varies, unroutable=unroutable, reads_values=reads, propagation=propagation,
     )
 
 

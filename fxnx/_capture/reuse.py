@@ -169,12 +169,14 @@ def options_of(G: nx.MultiDiGraph) -> CaptureOptions:
     )
 
 
-def snapshot(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
+def snapshot(G: nx.MultiDiGraph, *slots: str) -> nx.MultiDiGraph:
     """``G`` as it is now (its nodes, edges and their data: a copy of each attribute dict,
-    the values shared), reusing the captures kept on ``G``: what a router routes over, so
-    that an edit of ``G`` after it was built never changes its routing at some later step."""
+    the values shared), sharing with ``G`` the captures kept on it and the other ``slots``
+    (:func:`kept_on`): what a router routes over, so that an edit of ``G`` after the router
+    was built never changes its routing at some later step."""
     H = G.copy()
-    vars(H)[_SLOT] = kept_on(G, _SLOT)
+    for slot in (_SLOT, *slots):
+        vars(H)[slot] = kept_on(G, slot)
     return H
 
 

@@ -22,7 +22,14 @@ from .._capture.fingerprint import fingerprint, structure
 from .._capture.inputs import bind_inputs, qualname
 from .._capture.ladder import Capture
 from .._capture.options import LeafSpec
-from .._capture.reuse import inputs_key, kept_on, placeholders_for, recapture, snapshot, traced_through
+from .._capture.reuse import (
+    inputs_key,
+    kept_on,
+    placeholders_for,
+    recapture,
+    snapshot,
+    traced_through,
+)
 from .._compat import pytree
 from .._contract import validate
 from .._errors import FxnxError, FxnxTypeError, FxnxValueError
@@ -33,7 +40,15 @@ from .faithful import Probe, check_hooks, differs, probe
 from .graft import Graft, graft
 from .nodecall import NodeCall
 from .plan import Plan, compile_plan
-from .presets import PRESETS, Preset, check_kinds, lookup, preset_of
+from .presets import (
+    PRESETS,
+    Preset,
+    check_kinds,
+    check_named,
+    lookup,
+    preset_of,
+    warn_unused_kinds,
+)
 from .result import CreditResult, owned
 from .rules import Exact, Rule, Transport, check_rule, rule_name
 from .transport import feedback_weights
@@ -184,7 +199,7 @@ class CreditRouter(nn.Module):
             self.model = model
         else:  # a plain callable: not a submodule
             object.__setattr__(self, "model", model)
-        self.G = snapshot(G)
+        self.G = snapshot(G, _CHECKED)
         self.seed = seed
         self.node_credit = bool(node_credit)
         self._given = dict(feedback or {})
@@ -436,18 +451,20 @@ class CreditRouter(nn.Module):
                 self._plans = {id(cap.gm): plan}  # the capture changed: the old plan is stale
                 self._grafts = {}
                 self._warn_if_unused(plan)
-            seen = self._probe(plan, cap, inputs, kwargs)
+            # (a graph that follows the example's values is compared at every call, below)
+            seen = self._probe(plan, cap, inputs, kwargs, compare=not cap.reads_values)
             run = graft(plan, seed=self.seed, collect=collect, probe=seen)
             run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
+        if cap.reads_values and not run.plain:  # its branches may not be these inputs'
+            self._probe(run.plan, cap, inputs, kwargs, every_call=True)
         if cap.unroutable and not run.plain:
             raise FxnxValueError(
                 f"credit cannot be routed over the graph {cap.method} captured of "
                 f"{qualname(self.model)}: {cap.unroutable}. Credit over it would be another "
                 "backward than the model's. Convert with routes='symbolic_trace' where it traces "
-                "the model (it keeps a custom autograd Function whole), make a branch a tensor "
-                "operation (torch.where, torch.cond), or train with rule='exact' and "
-                "node_credit=False, which runs the model's own forward"
+                "the model (it keeps a custom autograd Function whole), or train with "
+                "rule='exact' and node_credit=False, which runs the model's own forward"
             )
         self._plan = run.plan
         self._fixed = {}  # bound afresh for this capture
@@ -456,7 +473,8 @@ class CreditRouter(nn.Module):
             self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
             if not run.plain:  # the guard holds the hook tables: a hook added comes back here
                 check_hooks(self.model, self._watched[id(cap.gm)])
-            self._fast[collect] = (self._guard(cap_, inputs, kwargs, plain=run.plain), run, cap_)
+            if run.plain or not cap.reads_values:  # else every call is checked, above
+                self._fast[collect] = (self._guard(cap_, inputs, kwargs, plain=run.plain), run, cap_)
             if not collect:
                 # Inputs of this structure bind to the first placeholders one by one, in order,
                 # and the rest take no tensor (defaults, fixed keywords): later calls pass the
@@ -471,9 +489,12 @@ class CreditRouter(nn.Module):
                 ) else None
         return run, cap.inputs or []
 
-    def _probe(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Probe:
+    def _probe(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
+               *, compare: bool = True, every_call: bool = False) -> Probe:
         """One run of the captured graph without gradients (:func:`.faithful.probe`: what it
-        writes where, and its output), checked against ``model(...)`` once per capture.
+        writes where, and its output), checked against ``model(...)`` (where ``compare``)
+        once per capture, or at ``every_call`` for a graph whose branches followed the
+        example's tensor values (``draft_export``'s): those of other inputs may differ.
 
         Nothing changes: buffers and the random state are restored after each run, and both
         run on copies of the inputs, so the run that follows draws the same random numbers.
@@ -483,7 +504,7 @@ class CreditRouter(nn.Module):
         with torch.no_grad(), preserved(model), TRACING_LOCK:
             seen = probe(plan.gm, values or [])
         checked = kept_on(self.G, _CHECKED)
-        if checked.get(id(cap.gm)) is not None and checked[id(cap.gm)]() is cap.gm:
+        if not compare or (not every_call and checked.get(id(cap.gm)) is not None and checked[id(cap.gm)]() is cap.gm):
             return seen
         concrete = dict(self._capture["concrete_args"] or {})
         bound = bind_inputs(model, inputs, kwargs, concrete)
@@ -495,6 +516,16 @@ class CreditRouter(nn.Module):
         except Exception:  # the graph runs where the model does not: nothing to compare
             return seen
         problem = differs(seen.output, eager)
+        if problem is not None and cap.reads_values:
+            raise FxnxValueError(
+                f"the graph {cap.method} captured from {qualname(model)} does not compute what "
+                f"the model computes on these inputs ({problem}): its control flow read tensor "
+                f"values ({cap.reads_values}), and the graph follows the branches the example "
+                "input took, not those of these inputs, so credit over it would be credit for "
+                "another forward. Make the branch a tensor operation (torch.where, torch.cond), "
+                "convert the model with an input that takes this branch, or train with "
+                "rule='exact' and node_credit=False, which runs the model's own forward"
+            )
         if problem is not None:
             raise FxnxValueError(
                 f"the graph captured from {qualname(model)} does not compute what the model "
@@ -525,9 +556,11 @@ class CreditRouter(nn.Module):
 
     def _choose(self, call: NodeCall) -> tuple[Any, str]:
         """The rule bound to ``call``'s node: the user's by name, by kind, the preset's, exact."""
-        template = self._by_name.get(call.name) or lookup(call, self._by_kind)
-        if template is None:
-            template = self.preset.lookup(call) or _EXACT
+        template = self._by_name.get(call.name)
+        if template is not None:
+            check_named(call, template)  # a feedback rule by name: the node must have weights
+        else:
+            template = lookup(call, self._by_kind) or self.preset.lookup(call) or _EXACT
         key = (call.name, id(template), id(call.module))
         bound = self._bound.get(key)
         if bound is None:
@@ -545,6 +578,9 @@ class CreditRouter(nn.Module):
         return bound, rule_name(bound)
 
     def _warn_if_unused(self, plan: Plan) -> None:
+        calls = [entry.call for entry in plan.entries]
+        warn_unused_kinds(self._by_kind, calls, "rules")
+        warn_unused_kinds(self.preset.added, calls, f"rule {self.preset.name!r}")
         if not self.preset or self._by_name or self._by_kind:
             return
         if all(isinstance(rule, Exact) for rule in plan.rules.values()):
