@@ -25,6 +25,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from ._errors import FxnxError
 
 __all__ = [
+    "ATEN_CAST_AND_VIEW",
     "PRIVATE_APIS",
     "FakeTensorMode",
     "OpOverload",
@@ -170,6 +171,11 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "torch.autograd.graph.Node._sequence_nr",
         "joint graphs: the module scope of each backward op",
         "backward ops take the scope their inputs share",
+    ),
+    (
+        "torch.ops.aten._to_copy, torch.ops.aten._unsafe_view",
+        "feedback rules find a weight cast or viewed in a torch.export graph (weight_inputs)",
+        "such a weight counts as computed from parameters, and feedback rules refuse its node",
     ),
     (
         "torch.export.ExportedProgram._report",
@@ -368,6 +374,13 @@ def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if callable(foreach):
         return list(foreach(tensors))
     return [torch.linalg.vector_norm(t) for t in tensors]
+
+
+#: ATen's ``_to_copy`` (a cast) and ``_unsafe_view`` (a view), as torch.export records a
+#: weight's ``.to(dtype)`` and ``.view(...)``.
+ATEN_CAST_AND_VIEW = tuple(
+    getattr(getattr(torch.ops.aten, name, None), "default", None) for name in ("_to_copy", "_unsafe_view")
+)
 
 
 def value_reads(program: Any) -> list[str]:

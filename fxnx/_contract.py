@@ -411,10 +411,9 @@ def validate(G: Any) -> None:
     Checks that ``G`` is a ``networkx.MultiDiGraph`` with at least one node and
     no cycle, that ``format_version`` is one this fxnx knows, that every
     attribute in the contract tables present on the graph, its nodes and edges
-    has its type (and that those the graph always has are there), that no two
-    parallel edges claim the same ``arg`` (each place a value appears in a call
-    has one edge), and that everything else is plain data: str, int, float,
-    bool, None, and tuples, lists and str-keyed dicts of them, nested at most 32 deep.
+    has its type (and that those the graph always has are there), and that
+    everything else is plain data: str, int, float, bool, None, and tuples,
+    lists and str-keyed dicts of them, nested at most 32 deep.
 
     Raises
     ------
@@ -464,34 +463,6 @@ def validate(G: Any) -> None:
         raise GraphContractError(
             f"G has a cycle ({' -> '.join(map(repr, [*cycle, cycle[0]]))}): dataflow graphs are acyclic"
         )
-    _check_arguments(G)
-
-
-def _check_arguments(G: nx.MultiDiGraph) -> None:
-    """Refuse parallel edges (one source, one target) that claim the same argument (``arg``).
-
-    An edge stands for one place a value appears in the call of the node it enters; a
-    second edge on that place (an edge copied, or an ``arg`` changed to another edge's, as
-    in ``x * x``) would stand for nothing, and credit routed over ``G`` would silently
-    differ from what its edges say. (An edge from another source on a taken place is an
-    edge the model does not have, which routing refuses, naming it.)
-    """
-    claimed: dict[tuple[Any, Any, Any], int] = {}
-    for u, v, key, arg in G.edges(keys=True, data="arg"):
-        first = claimed.setdefault((u, v, arg), key)
-        if first == key:
-            continue
-        raise GraphContractError(
-            f"edges {_edge(u, v, first)} and {_edge(u, v, key)} both claim argument "
-            f"{_SHORT.repr(arg)} of node {_SHORT.repr(v)}: each place a value appears in a call "
-            f"has one edge. Remove the extra one (G.remove_edge({_SHORT.repr(u)}, "
-            f"{_SHORT.repr(v)}, {key})), or give it back the arg it has in the graph "
-            "fxnx.convert made"
-        )
-
-
-def _edge(u: Any, v: Any, key: int) -> str:
-    return f"{_SHORT.repr(u)} -> {_SHORT.repr(v)} (key {key})"
 
 
 def _check_version(version: Any, present: bool) -> None:

@@ -202,3 +202,36 @@ def test_a_graph_that_follows_the_examples_values_is_checked_at_every_call():
     plain(big).sum().backward()
     for name, grad in _grads(model).items():
         assert torch.equal(grad, want[name]), name
+
+
+class _Tanh(torch.autograd.Function):
+    """tanh with its derivative written out: as memory-efficient activations are."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+def test_an_inlined_function_whose_backward_is_its_derivative_is_routed():
+    """torch.export inlines the Function; autograd over its forward operations is checked
+    against the model's own gradients once, agrees to rounding, and credit is routed."""
+    model = _Net(lambda h: _Tanh.apply(h)).double()
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    with pytest.warns(UserWarning, match="applies the autograd Function _Tanh.*checked against the model's own gradients"):
+        G = fxnx.convert(model, x, routes="export")
+    want = _autograd(model, x, e)
+    res = fxnx.route_credit(G, model, x, output_credit=e)
+    for name in want:
+        torch.testing.assert_close(res.param_credit[name], want[name], rtol=1e-12, atol=0, msg=name)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    (router(x) * e).sum().backward()
+    by_hand = _fa_by_hand(model, x, e, router.feedback["linear_1"], lambda g: g * (1 - torch.tanh(torch.tanh(model.a(x))) ** 2).detach())
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, by_hand[name], rtol=1e-12, atol=1e-15, msg=name)

@@ -8,6 +8,8 @@ from ``nn.Linear``, a path that reads no view.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,8 +100,9 @@ FEEDBACK = [torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().m
             torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))]
 
 
-def test_a_view_that_is_not_the_weights_own_is_routed_exactly():
-    """``x @ W[:2].T`` reads part of W: not a view the rules know, so the node is exact."""
+def test_a_part_of_the_weight_gets_the_same_part_of_b():
+    """``x @ W[:2].T`` reads part of W: B stands in for W, and the layer's way back reads the
+    same part of B (it was routed exactly, under a warning that the rule applied to no node)."""
 
     class Sliced(nn.Module):
         def __init__(self) -> None:
@@ -107,19 +110,22 @@ def test_a_view_that_is_not_the_weights_own_is_routed_exactly():
             self.w = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
 
         def forward(self, x):
-            return F.relu(x @ self.w[:2].T)
+            return torch.tanh(x @ self.w[:2].T)
 
     model = Sliced()
     x = torch.randn(5, 3, dtype=torch.float64)
     G = fxnx.convert(model, x)
     x_ = x.clone().requires_grad_()
-    with pytest.warns(UserWarning, match="applies to no node"):
-        router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
-        router(x_).sum().backward()
-    ref = x.clone().requires_grad_()
-    model_grad = torch.autograd.grad(model(ref).sum(), [ref, model.w])
-    assert rel_error(x_.grad, model_grad[0]) <= 1e-12
-    assert rel_error(model.w.grad, model_grad[1]) <= 1e-12
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    router(x_).sum().backward()
+    (B,) = router.feedback.values()
+    assert B.shape == (4, 3)
+    h = torch.tanh(x @ model.w.detach()[:2].T)
+    d = 1 - h**2  # the credit at the product: ones through tanh
+    assert rel_error(x_.grad, d @ B[:2]) <= 1e-12
+    want_w = torch.zeros(4, 3, dtype=torch.float64)
+    want_w[:2] = d.T @ x
+    assert rel_error(model.w.grad, want_w) <= 1e-12
 
 
 def _weights_of(G, model, node):
@@ -178,3 +184,63 @@ def test_a_transposed_weight_on_an_input_that_needs_no_credit_is_routed_by_the_r
     h = torch.tanh(x @ model.W.detach().T)
     d = (e @ router.feedback["head"]) * (1 - h**2)  # the head's B, not its W
     assert rel_error(model.W.grad, d.T @ x) <= 1e-12
+
+
+_SPELLINGS = {  # the second layer's weight W (5, 5), as models write it
+    "view": lambda W: W.view(5, 5),
+    "reshape": lambda W: W.reshape(25).reshape(5, 5),
+    "slice": lambda W: W[:, :],
+    "cast": lambda W: W.float().to(torch.float64),
+    "scale": lambda W: W * 0.5,  # an equalised learning rate's scale: B scaled alike
+    "contiguous": lambda W: W.t().contiguous().t(),
+}
+
+
+class Spelled(nn.Module):
+    def __init__(self, spell) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l3 = nn.Linear(4, 5).double(), nn.Linear(5, 3).double()
+        self.W = nn.Parameter(torch.randn(5, 5, dtype=torch.float64) / 3)
+        self.spell = spell
+
+    def forward(self, x):
+        return self.l3(torch.tanh(F.linear(torch.tanh(self.l1(x)), self.spell(self.W))))
+
+
+@pytest.mark.parametrize("route", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("name", list(_SPELLINGS))
+def test_feedback_alignment_reaches_a_weight_through_views_reshapes_casts_and_scales(name, route):
+    """B stands in for the parameter, and the layer gets the same chain taken of B (B * 0.5
+    where the model scales W by 0.5). These layers were routed exactly, without a word."""
+    spell = _SPELLINGS[name]
+    model = Spelled(spell)
+    x, e = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    G = fxnx.convert(model, x, routes=route)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    (router(x) * e).sum().backward()
+    (middle,) = [n for n in router.feedback if tuple(router.feedback[n].shape) == (5, 5)]
+    B2, B3 = router.feedback[middle], next(B for B in router.feedback.values() if B.shape == (3, 5))
+    h1 = torch.tanh(model.l1(x)).detach()
+    h2 = torch.tanh(F.linear(h1, spell(model.W.detach())))
+    d2 = (e @ B3) * (1 - h2**2)  # at the middle layer's output
+    d1 = (d2 @ spell(B2)) * (1 - h1**2)  # B, as the model spells W, on the way back
+    assert rel_error(model.W.grad, torch.autograd.functional.vjp(lambda W: F.linear(h1, spell(W)), model.W.detach(), d2)[1]) <= 1e-12
+    assert rel_error(model.l1.weight.grad, d1.T @ x) <= 1e-12
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_a_weight_computed_from_parameters_is_refused_by_feedback_rules(norm):
+    """weight_norm's g · v / ‖v‖ has no one parameter for B to stand in for: one error naming
+    the node, where the layer was routed exactly (backprop) under feedback alignment."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    getattr(torch.nn.utils.parametrizations, norm)(model[2])
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        G = fxnx.convert(model, x)
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"multiplies by a weight computed from parameters .*rules=\{'\w+': fxnx.credit.Exact\(\)\}"):
+        fxnx.CreditRouter(G, model, rule="feedback_alignment")(x)
+    exact = fxnx.route_credit(G, model, x, rule="exact")  # exact routing is unaffected
+    assert set(exact.param_credit) >= {n for n, p in model.named_parameters() if p.requires_grad}

@@ -87,9 +87,10 @@ class Capture:
         choice made in Python while it was captured, a control flow that read a random
         value), in words; empty otherwise.
     unroutable : str
-        Why autograd over the graph is not the model's backward (a custom autograd Function
-        inlined), in words; empty otherwise. Credit runs other than the model's own forward
-        refuse such a capture.
+        Why autograd over the graph may not be the model's backward (a custom autograd
+        Function inlined), in words; empty otherwise. Credit runs other than the model's own
+        forward compare the parameters' gradients with the model's, once per capture, and
+        refuse it where they differ.
     reads_values : str
         The conditions on tensor values the graph's branches follow for the example; empty
         where none was seen. Credit runs other than the model's own forward compare the
@@ -322,9 +323,10 @@ def _capture(
     run = aten is not None or (bool(propagate) and values is not None)  # make_fx recorded every shape
     if unroutable:
         warn_user(
-            f"{qualname(model)} was captured with {options.route}, but {unroutable}: route_credit "
-            "and CreditRouter refuse this graph, but for CreditRouter with rule='exact' and "
-            "node_credit=False, which runs the model's own forward"
+            f"{qualname(model)} was captured with {options.route}, but {unroutable}: credit "
+            "over this graph (route_credit, CreditRouter but with rule='exact' and "
+            "node_credit=False) is first checked against the model's own gradients, and "
+            "refused where they differ"
         )
     if varies:
         warn_user(

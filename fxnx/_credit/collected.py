@@ -148,6 +148,11 @@ def route_credit(
 _SLOT = "_fxnx_routers"
 
 
+def _recorded(G: nx.MultiDiGraph) -> list[Any]:
+    """What ``G`` records of how it was captured, which routing reads."""
+    return [G.graph.get(key) for key in ("capture", "capture_options", "level")]
+
+
 def _router(
     G: nx.MultiDiGraph, model: Any, rule: Any, rules: Any, seed: int, feedback: Any,
     leaf_modules: Any, concrete_args: Any,
@@ -155,7 +160,7 @@ def _router(
     """A router for one run, kept on ``G`` for the next call with the same model and rule.
 
     Its plan (the rule bound to each node, the edge matching) is then compiled once;
-    an edit of ``G``'s edges or of its graph attributes, other rules or feedback, or a rule that changes between runs
+    an edit of ``G``'s edges or of its capture record, other rules or feedback, or a rule that changes between runs
     (brSF) make a new one, as does a model whose structure changed (the capture does).
     """
     def fresh() -> CreditRouter:
@@ -171,7 +176,7 @@ def _router(
     key = (id(model), rule, seed, G.number_of_nodes(), hash(tuple(G.edges(keys=True))))
     kept = kept_on(G, _SLOT)
     router = kept.get(key)
-    if router is None or router.model is not model or router.G.graph != G.graph:  # (routers route a copy of G)
+    if router is None or router.model is not model or _recorded(router.G) != _recorded(G):  # (a copy of G)
         kept.clear()  # one router at a time: each holds its plan's tensors' metadata
         router = kept[key] = fresh()
     return router

@@ -19,6 +19,7 @@ leaves out, hooks it never ran, is refused
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +188,38 @@ def differs(got: Any, want: Any) -> str | None:
         error = float(torch.linalg.vector_norm((x - y).double() if not x.is_complex() else (x - y).cdouble()))  # type: ignore[attr-defined]
         if error > min(1e3 * eps, 1e-2) * scale + 1e-30:
             return f"{where} differs by {error / scale if scale else error:.3g} (relative norm)"
+    return None
+
+
+def backward_differs(
+    graph: Callable[[], Any], model: Callable[[], Any], params: Mapping[str, Tensor],
+) -> str | None:
+    """Where autograd over the captured graph gives the parameters other gradients than
+    autograd over the model, for one random output credit, in words, or None.
+
+    ``graph`` and ``model`` run the forward each (from the same state: random draws alike);
+    their floating output tensors are paired leaf by leaf. The gradients are compared to a
+    relative norm of ``1000·eps`` of their dtype, as :func:`differs` compares values: a
+    custom autograd Function's backward that is the derivative of its forward agrees to
+    rounding; a straight-through estimator's does not.
+    """
+    want_out, got_out = _tensors(model()), _tensors(graph())
+    pairs = [(w, g) for w, g in zip(want_out, got_out, strict=False)
+             if w.requires_grad and g.requires_grad and w.shape == g.shape]
+    if len(want_out) != len(got_out) or not pairs:
+        return "their outputs cannot be paired"
+    generator = torch.Generator().manual_seed(0)
+    credit = [torch.randn(w.shape, generator=generator, dtype=torch.float64).to(w) for w, _ in pairs]
+    names, tensors = list(params), list(params.values())
+    want = torch.autograd.grad([w for w, _ in pairs], tensors, credit, allow_unused=True)
+    got = torch.autograd.grad([g for _, g in pairs], tensors, credit, allow_unused=True)
+    for name, p, a, b in zip(names, tensors, want, got, strict=True):
+        a = torch.zeros_like(p) if a is None else a
+        b = torch.zeros_like(p) if b is None else b
+        scale = float(a.double().norm()) or 1.0
+        gap = float((a.double() - b.double()).norm()) / scale
+        if gap > min(1000 * torch.finfo(p.dtype).eps, 1e-2):
+            return f"the gradient of parameter {name!r} differs by {gap:.3g} (relative norm)"
     return None
 
 

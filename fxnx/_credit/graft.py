@@ -159,12 +159,15 @@ def tier(entry: Entry) -> str:
 
 
 def _native(call: NodeCall) -> bool:
+    """Whether ``call``'s layer saves its weights as they are (a weight made by a chain that
+    may copy, ``W.to(x.dtype)``, is another tensor: its layer runs on its own graph)."""
     if call.module is not None:
         return type(call.module) in WEIGHTED_MODULES
     try:
-        return call.op == "call_function" and call.target in NATIVE_FUNCTIONS
+        native = call.op == "call_function" and call.target in NATIVE_FUNCTIONS
     except TypeError:  # an unhashable callable
         return False
+    return native and not any(getattr(chain, "copies", False) for chain in call.param_views.values())
 
 
 def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None = None) -> Graft:

@@ -61,11 +61,17 @@ class NodeCall:
         Input occurrence to ``(qualified name, parameter)`` for the occurrences
         that are a trainable parameter of the model (a ``get_attr`` node): the
         weight of ``F.linear(x, self.weight)`` or of an exported ``aten.linear``, or a
-        view of one that copies nothing (``x @ self.weight.T``).
+        chain of views, reshapes, casts and scales of one (``x @ self.weight.T``,
+        ``self.weight.to(x.dtype)``).
     param_views : dict
-        For the occurrences of ``param_inputs`` that are such a view, the view to take of a
-        tensor laid out like the parameter (``lambda B: B.T``): what a rule that puts ``B``
-        in the parameter's place passes there.
+        For the occurrences of ``param_inputs`` that are such a chain, the same chain taken
+        of a tensor laid out like the parameter (:class:`.weight_inputs.Chain`, ``B.T``):
+        what a rule that puts ``B`` in the parameter's place passes there.
+    computed_weights : dict
+        Input occurrence to what it is, for the occurrences computed from parameters alone
+        but not a parameter's chain of views, reshapes, casts and scales (``weight_norm``'s
+        ``g · v / ‖v‖``): weights no feedback weight can stand in for
+        (:mod:`.weight_inputs`).
     owner : type or None
         The class of the module whose own ``forward`` ran this node: a ``call_module``
         node's module's; for another node, that of the innermost module of its module
@@ -89,6 +95,7 @@ class NodeCall:
     param_inputs: dict[int, tuple[str, Tensor]] = field(default_factory=dict)
     param_views: dict[int, Callable[[Tensor], Tensor]] = field(default_factory=dict)
     owner: type | None = None
+    computed_weights: dict[int, str] = field(default_factory=dict)
 
     def own_parameters(self) -> list[Tensor]:
         """The node's trainable parameters: its input occurrences that are one (a function

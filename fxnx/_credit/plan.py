@@ -11,22 +11,20 @@ credit backward.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
-import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
 from .._callinfo import bind_call, fetch_attr, occurrences
 from .._capture.tracer import NO_GRAD
-from .._compat import pytree
 from .._errors import FxnxValueError
-from .nodecall import NodeCall, call_target, written_input
+from .nodecall import NodeCall, written_input
 from .rules import Exact
+from .weight_inputs import origin, param_inputs
 
 _EXACT = Exact()
 
@@ -71,6 +69,8 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
     named = model.named_parameters() if isinstance(model, nn.Module) else ()
     param_names = {id(p): name for name, p in named}
     entries: dict[str, Entry] = {}
+    param_nodes: dict[str, str] = {}  # get_attr node name to the trainable parameter it reads
+    origins: dict[str, tuple[str, ...] | None] = {}  # see weight_inputs.origin
     for node in gm.graph.nodes:
         module = gm.get_submodule(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
         _, names = bind_call(node, gm)
@@ -87,13 +87,14 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
             sources=[src.name for _, src in occ], labels=[label for label, _ in occ],
             inputs=[], output=None, params=params, args=node.args, kwargs=dict(node.kwargs),
             owner=_owner(node, module, model),
-            **_param_inputs(gm, [src.name for _, src in occ], entries),
+            **param_inputs(gm, [src for _, src in occ], param_nodes, origins),
         )
         entry = Entry(node=node, call=call)
         if node.op == "get_attr":
             value = fetch_attr(gm, node.target)  # type: ignore[arg-type]
             if isinstance(value, nn.Parameter) and value.requires_grad and id(value) in param_names:
-                entry.param = param_names[id(value)]
+                entry.param = param_nodes[node.name] = param_names[id(value)]
+        origins[node.name] = origin(node, entry.param, origins)
         entries[node.name] = entry
     _check_nodes(G, list(entries))
     _check_writes(gm)
@@ -167,59 +168,6 @@ def _untraced_counters(gm: fx.GraphModule, model: Any) -> list[Tensor]:
     return counters
 
 
-def _param_inputs(gm: fx.GraphModule, sources: list[str], entries: dict[str, Entry]) -> dict[str, Any]:
-    """``param_inputs`` and ``param_views`` of a node whose input occurrences come from
-    ``sources``: the occurrences that are trainable parameters (get_attr nodes; their entries
-    come before any node that reads them) or a view of one that copies nothing
-    (:data:`_VIEWS`: ``x @ self.weight.T``, an exported ``aten.t``)."""
-    found: dict[int, tuple[str, Tensor]] = {}
-    views: dict[int, Callable[[Tensor], Tensor]] = {}
-    for k, src in enumerate(sources):
-        entry = entries.get(src)
-        if entry is None:
-            continue
-        if entry.param is not None:
-            found[k] = (entry.param, fetch_attr(gm, entry.node.target))  # type: ignore[arg-type]
-            continue
-        node = entry.node
-        base = entries.get(node.args[0].name) if node.args and isinstance(node.args[0], fx.Node) else None
-        if base is None or base.param is None or not _a_view(node):
-            continue
-        found[k] = (base.param, fetch_attr(gm, base.node.target))  # type: ignore[arg-type]
-        views[k] = functools.partial(_view, node.op, node.target, node.args[1:], dict(node.kwargs))
-    return {"param_inputs": found, "param_views": views}
-
-
-_aten = torch.ops.aten
-#: Calls that view their first argument without copying it: transposes and permutations, as
-#: a symbolic trace records them (``W.T``, ``W.t()``, ``torch.transpose(W, 0, 1)``) and as
-#: ``torch.export`` does.
-_VIEWS = frozenset({
-    ("call_method", "t"), ("call_method", "transpose"), ("call_method", "permute"),
-    ("call_function", torch.t), ("call_function", torch.transpose), ("call_function", torch.permute),
-    ("call_function", _aten.t.default), ("call_function", _aten.transpose.int),
-    ("call_function", _aten.permute.default), ("call_function", _aten.numpy_T.default),
-})
-
-
-def _a_view(node: fx.Node) -> bool:
-    """Whether ``node`` views its first argument as :data:`_VIEWS` do, every other argument
-    a constant."""
-    if node.op == "call_function" and node.target is getattr:
-        known = len(node.args) == 2 and node.args[1] in ("T", "mT")
-    else:
-        try:
-            known = (node.op, node.target) in _VIEWS
-        except TypeError:  # an unhashable target
-            return False
-    return known and not any(isinstance(a, fx.Node) for a in pytree.tree_leaves((node.args[1:], node.kwargs)))
-
-
-def _view(op: str, target: Any, rest: tuple[Any, ...], kwargs: dict[str, Any], T: Tensor) -> Tensor:
-    """The view a node took of a parameter, taken of ``T`` instead."""
-    return call_target(op, target, None, (T, *rest), kwargs)
-
-
 def _check_writes(gm: fx.GraphModule) -> None:
     """Refuse a value written in place and read again afterwards under its old name.
 
@@ -243,6 +191,27 @@ def _check_writes(gm: fx.GraphModule) -> None:
                 "or convert with routes='export' (which records the write)"
             )
 
+
+
+def check_arguments(G: nx.MultiDiGraph) -> None:
+    """Refuse parallel edges (one source, one target) that claim the same argument (``arg``).
+
+    An edge stands for one place a value appears in the call of the node it enters; a
+    second edge on that place (an edge copied, or an ``arg`` changed to another edge's, as
+    in ``x * x``) would stand for nothing, and credit routed over ``G`` would silently
+    differ from what its edges say. (An edge from another source on a taken place is an
+    edge the model does not have, which :func:`compile_plan` refuses, naming it.)
+    """
+    claimed: dict[tuple[Any, Any, Any], int] = {}
+    for u, v, key, arg in G.edges(keys=True, data="arg"):
+        first = claimed.setdefault((u, v, arg), key)
+        if first != key:
+            raise FxnxValueError(
+                f"edges {u!r} -> {v!r} (keys {first} and {key}) both claim argument {arg!r} of "
+                f"node {v!r}: each place a value appears in a call has one edge. Remove the "
+                f"extra one (G.remove_edge({u!r}, {v!r}, {key})), or give it back the arg it has "
+                "in the graph fxnx.convert made"
+            )
 
 
 def _check_nodes(G: nx.MultiDiGraph, model_nodes: list[str]) -> None:

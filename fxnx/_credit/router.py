@@ -36,10 +36,10 @@ from .._errors import FxnxError, FxnxTypeError, FxnxValueError
 from .._state import preserved
 from . import feedback as fb
 from .compare import cosine_angle, flat
-from .faithful import Probe, check_hooks, differs, probe
+from .faithful import Probe, backward_differs, check_hooks, differs, probe
 from .graft import Graft, graft
 from .nodecall import NodeCall
-from .plan import Plan, compile_plan
+from .plan import Plan, check_arguments, compile_plan
 from .presets import (
     PRESETS,
     Preset,
@@ -59,6 +59,7 @@ _EXACT = Exact()
 _RESULT = "\0result"  # the model's output among the values whose credit backward() reports
 #: Where on G the captures checked against the model are noted (capture id -> weak reference).
 _CHECKED = "_fxnx_checked"
+_SAME_BACKWARD = "_fxnx_same_backward"  # captures whose autograd was found the model's
 
 
 class CreditRouter(nn.Module):
@@ -169,6 +170,7 @@ class CreditRouter(nn.Module):
             )
         self.preset = _preset(rule)
         validate(G)  # the graph contract: acyclic, every attribute of the right type
+        check_arguments(G)  # and one edge per argument
         route = G.graph.get("capture", "auto")
         if route == "make_fx" or G.graph.get("level") == "joint":
             raise FxnxValueError(
@@ -199,7 +201,7 @@ class CreditRouter(nn.Module):
             self.model = model
         else:  # a plain callable: not a submodule
             object.__setattr__(self, "model", model)
-        self.G = snapshot(G, _CHECKED)
+        self.G = snapshot(G, _CHECKED, _SAME_BACKWARD)
         self.seed = seed
         self.node_credit = bool(node_credit)
         self._given = dict(feedback or {})
@@ -459,13 +461,7 @@ class CreditRouter(nn.Module):
         if cap.reads_values and not run.plain:  # its branches may not be these inputs'
             self._probe(run.plan, cap, inputs, kwargs, every_call=True)
         if cap.unroutable and not run.plain:
-            raise FxnxValueError(
-                f"credit cannot be routed over the graph {cap.method} captured of "
-                f"{qualname(self.model)}: {cap.unroutable}. Credit over it would be another "
-                "backward than the model's. Convert with routes='symbolic_trace' where it traces "
-                "the model (it keeps a custom autograd Function whole), or train with "
-                "rule='exact' and node_credit=False, which runs the model's own forward"
-            )
+            self._check_backward(run.plan, cap, inputs, kwargs)
         self._plan = run.plan
         self._fixed = {}  # bound afresh for this capture
         if isinstance(self.model, nn.Module):
@@ -540,6 +536,39 @@ class CreditRouter(nn.Module):
             del checked[key]  # captures since dropped
         checked[id(cap.gm)] = weakref.ref(cap.gm)
         return seen
+
+    def _check_backward(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> None:
+        """Refuse a graph whose autograd is not the model's (:attr:`Capture.unroutable`: a
+        custom autograd Function ``torch.export`` inlined without its backward) where the
+        parameters' gradients differ (:func:`.faithful.backward_differs`), once per capture.
+        A Function whose backward is its forward's derivative (a memory-efficient GELU)
+        agrees to rounding, and its graph is routed."""
+        checked = kept_on(self.G, _SAME_BACKWARD)
+        if checked.get(id(cap.gm)) is not None and checked[id(cap.gm)]() is cap.gm:
+            return
+        model, concrete = self.model, dict(self._capture["concrete_args"] or {})
+        bound = bind_inputs(model, inputs, kwargs, concrete)
+        values = placeholders_for(cap, model, inputs, kwargs, copy=True)
+        problem = "the model cannot be run on these inputs to compare" if bound is None or values is None else None
+
+        def eager() -> Any:
+            with preserved(model), TRACING_LOCK:
+                return model(*bound.args, **bound.kwargs, **concrete)  # type: ignore[union-attr]
+
+        def graph() -> Any:
+            with preserved(model), TRACING_LOCK:
+                return torch.fx.Interpreter(plan.gm).run(*values)  # type: ignore[misc]
+
+        problem = problem or backward_differs(graph, eager, plan.params)
+        if problem is not None:
+            raise FxnxValueError(
+                f"credit cannot be routed over the graph {cap.method} captured of "
+                f"{qualname(model)}: {cap.unroutable}, and autograd over the graph is not the "
+                f"model's ({problem}). Convert with routes='symbolic_trace' where it traces "
+                "the model (it keeps a custom autograd Function whole), or train with "
+                "rule='exact' and node_credit=False, which runs the model's own forward"
+            )
+        checked[id(cap.gm)] = weakref.ref(cap.gm)
 
     def _guard(self, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
                *, plain: bool = False) -> Any:

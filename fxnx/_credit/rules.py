@@ -657,8 +657,20 @@ class DirectFeedbackAlignment(_Drawn):
 
 def _weightless(call: NodeCall) -> bool:
     """A function node with no weight (``x @ y`` of two activations, as in attention): a
-    feedback rule's preset matches its kind, but it is routed exactly."""
-    return call.module is None and not has_weights(call)
+    feedback rule's preset matches its kind, but it is routed exactly. One whose weight is
+    computed from parameters in a way no feedback weight stands for (``weight_norm``) is
+    refused: routed exactly, it would have been backprop where a feedback rule was asked."""
+    if call.module is not None or has_weights(call):
+        return False
+    if call.computed_weights:
+        raise FxnxValueError(
+            f"node {call.name!r} multiplies by a weight computed from parameters "
+            f"({'; '.join(call.computed_weights.values())}), not by a parameter or a view, "
+            "reshape, cast or scale of one, so no feedback weight can stand in for it (as under "
+            "weight_norm or spectral_norm). Route it exactly, knowing its credit is backprop's "
+            f"(rules={{{call.name!r}: fxnx.credit.Exact()}}), or make the weight a parameter"
+        )
+    return True
 
 
 def _flat_output_credit(output_credit: Any) -> Tensor | None:
