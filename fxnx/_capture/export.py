@@ -57,7 +57,7 @@ def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphMo
             f"whose backward {name} does not keep (its graph holds the Function's forward operations)"
         )
     reads = [expr for expr in value_reads(program) if expr] if draft else []
-    if not reads and reads_tensor_values(gm):
+    if draft and not reads and reads_tensor_values(gm):  # (export fails on such reads)
         reads = ["a value read in the graph"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     leaves = pytree.tree_leaves((args, kwargs))

@@ -103,8 +103,7 @@ def draw(
     """A tensor of ``shape`` drawn from law ``init``, from ``seed`` and ``key`` alone, with
     ``like``'s dtype and device (drawn in float32 on the CPU whatever the dtype, so that the
     values do not depend on it)."""
-    size = math.prod(shape) * like.element_size()
-    check_bytes(size, max_bytes, f"{where or key} (shape {tuple(shape)}, {like.dtype})")
+    _check_size(shape, like, max_bytes, where or key)
     gen = generator(seed, key)
     B = torch.empty(tuple(shape), dtype=torch.float32)
     if init == "xavier":
@@ -128,11 +127,16 @@ def magnitudes(
     mean is exact and its variance is off by ``2**-32`` of itself.
     """
     n = math.prod(shape)
-    check_bytes(n * like.element_size(), max_bytes, f"{where or key} (shape {tuple(shape)}, {like.dtype})")
+    _check_size(shape, like, max_bytes, where or key)
     a = std(init, shape) * math.sqrt(3.0)
     words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None, generator=generator(seed, key))
     steps = words.view(torch.int16)[:n].view(tuple(shape)).to(torch.float32)  # -32768 ... 32767
     return steps.add_(32768.5).mul_(a / 65536).to(device=like.device, dtype=like.dtype)
+
+
+def _check_size(shape: Sequence[int], like: Tensor, max_bytes: float | None, where: str) -> None:
+    """:func:`check_bytes` for a tensor of ``shape`` with ``like``'s dtype, before it is made."""
+    check_bytes(math.prod(shape) * like.element_size(), max_bytes, f"{where} (shape {tuple(shape)}, {like.dtype})")
 
 
 def laid_out_like(B: Tensor, W: Tensor) -> Tensor:

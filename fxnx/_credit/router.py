@@ -499,16 +499,14 @@ class CreditRouter(nn.Module):
         values = placeholders_for(cap, model, inputs, kwargs, copy=True)
         with torch.no_grad(), preserved(model), TRACING_LOCK:
             seen = probe(plan.gm, values or [])
-        checked = kept_on(self.G, _CHECKED)
-        if not compare or (not every_call and checked.get(id(cap.gm)) is not None and checked[id(cap.gm)]() is cap.gm):
+        if not compare or (not every_call and _noted(self.G, _CHECKED, cap.gm)):
             return seen
-        concrete = dict(self._capture["concrete_args"] or {})
-        bound = bind_inputs(model, inputs, kwargs, concrete)
-        if bound is None:
+        run_model = self._on_copies(inputs, kwargs)
+        if run_model is None:
             return seen
         try:
-            with torch.no_grad(), preserved(model), TRACING_LOCK:
-                eager = model(*bound.args, **bound.kwargs, **concrete)
+            with torch.no_grad():
+                eager = run_model()
         except Exception:  # the graph runs where the model does not: nothing to compare
             return seen
         problem = differs(seen.output, eager)
@@ -532,10 +530,23 @@ class CreditRouter(nn.Module):
                 "(layer drop and stochastic depth are off in eval mode), or call the model "
                 "once before converting it (a warm-up call), and convert it again"
             )
-        for key in [k for k, ref in checked.items() if ref() is None]:
-            del checked[key]  # captures since dropped
-        checked[id(cap.gm)] = weakref.ref(cap.gm)
+        _note(self.G, _CHECKED, cap.gm)
         return seen
+
+    def _on_copies(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Callable[[], Any] | None:
+        """The model's forward on copies of ``inputs``, bound as its capture was, changing
+        nothing (buffers and the random state restored): for comparing the graph with the
+        model; None where the inputs do not bind."""
+        model, concrete = self.model, dict(self._capture["concrete_args"] or {})
+        bound = bind_inputs(model, inputs, kwargs, concrete)
+        if bound is None:
+            return None
+
+        def run() -> Any:
+            with preserved(model), TRACING_LOCK:
+                return model(*bound.args, **bound.kwargs, **concrete)
+
+        return run
 
     def _check_backward(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> None:
         """Refuse a graph whose autograd is not the model's (:attr:`Capture.unroutable`: a
@@ -543,23 +554,20 @@ class CreditRouter(nn.Module):
         parameters' gradients differ (:func:`.faithful.backward_differs`), once per capture.
         A Function whose backward is its forward's derivative (a memory-efficient GELU)
         agrees to rounding, and its graph is routed."""
-        checked = kept_on(self.G, _SAME_BACKWARD)
-        if checked.get(id(cap.gm)) is not None and checked[id(cap.gm)]() is cap.gm:
+        if _noted(self.G, _SAME_BACKWARD, cap.gm):
             return
-        model, concrete = self.model, dict(self._capture["concrete_args"] or {})
-        bound = bind_inputs(model, inputs, kwargs, concrete)
+        model = self.model
+        run_model = self._on_copies(inputs, kwargs)
         values = placeholders_for(cap, model, inputs, kwargs, copy=True)
-        problem = "the model cannot be run on these inputs to compare" if bound is None or values is None else None
-
-        def eager() -> Any:
-            with preserved(model), TRACING_LOCK:
-                return model(*bound.args, **bound.kwargs, **concrete)  # type: ignore[union-attr]
 
         def graph() -> Any:
             with preserved(model), TRACING_LOCK:
                 return torch.fx.Interpreter(plan.gm).run(*values)  # type: ignore[misc]
 
-        problem = problem or backward_differs(graph, eager, plan.params)
+        problem = (
+            "the model cannot be run on these inputs to compare" if run_model is None or values is None
+            else backward_differs(graph, run_model, plan.params)
+        )
         if problem is not None:
             raise FxnxValueError(
                 f"credit cannot be routed over the graph {cap.method} captured of "
@@ -568,7 +576,7 @@ class CreditRouter(nn.Module):
                 "the model (it keeps a custom autograd Function whole), or train with "
                 "rule='exact' and node_credit=False, which runs the model's own forward"
             )
-        checked[id(cap.gm)] = weakref.ref(cap.gm)
+        _note(self.G, _SAME_BACKWARD, cap.gm)
 
     def _guard(self, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
                *, plain: bool = False) -> Any:
@@ -625,6 +633,20 @@ class CreditRouter(nn.Module):
             "thread's last forward): save the model's state_dict and router.feedback, and build "
             "a new router with CreditRouter(G, model, rule, feedback=...)"
         )
+
+
+def _noted(G: nx.MultiDiGraph, slot: str, gm: Any) -> bool:
+    """Whether the capture ``gm`` was noted on ``G`` under ``slot`` (checked once already)."""
+    ref = kept_on(G, slot).get(id(gm))
+    return ref is not None and ref() is gm
+
+
+def _note(G: nx.MultiDiGraph, slot: str, gm: Any) -> None:
+    """Note the capture ``gm`` on ``G`` under ``slot``, forgetting captures since dropped."""
+    noted = kept_on(G, slot)
+    for key in [k for k, ref in noted.items() if ref() is None]:
+        del noted[key]
+    noted[id(gm)] = weakref.ref(gm)
 
 
 def own(feedback: dict[str, Any]) -> dict[str, Any]:
