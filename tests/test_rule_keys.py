@@ -171,6 +171,34 @@ def test_a_feedback_rule_by_name_needs_weights_at_function_nodes_too():
     _close(res.param_credit, {n: p.grad for n, p in o.named_parameters()})
 
 
+@pytest.mark.parametrize("name", ["act", "tanh"])
+def test_direct_feedback_alignment_by_name_runs_at_a_weightless_node_of_either_op(name):
+    # DFA needs no weight of the node's own: given by name to nn.Tanh or to torch.tanh, the
+    # node's input gets e·B (e the credit at the output), as the rule says.
+    from fxnx.credit import DirectFeedbackAlignment
+
+    torch.manual_seed(0)
+    model = TanhNet().double()
+    x = torch.randn(6, 4, dtype=f64)
+    e = torch.randn(6, 3, dtype=f64)
+    B = torch.randn(3, 5, dtype=f64)
+    G = fxnx.convert(model, x)
+    res = fxnx.route_credit(G, model, x, rules={name: DirectFeedbackAlignment()}, feedback={name: B},
+                            output_credit=e)
+    # by hand: l2 and (for "tanh") act are exact below the output; the DFA node's input gets e @ B
+    W2 = model.l2.weight.detach()
+    h1 = model.l1(x).detach()
+    a = torch.tanh(h1)
+    t = torch.tanh(a)
+    assert rel_error(res.param_credit["l2.weight"], e.T @ t) <= 1e-12
+    credit_in = e @ B  # at the DFA node's input
+    if name == "tanh":  # act is exact: through tanh's derivative at h1
+        credit_in = credit_in * (1 - a**2)
+    assert rel_error(res.param_credit["l1.weight"], credit_in.T @ x) <= 1e-12
+    assert rel_error(res.param_credit["l1.bias"], credit_in.sum(0)) <= 1e-12
+    assert not torch.allclose(e @ W2, e @ B)  # B is not W2: the check tells DFA from exact
+
+
 def test_two_edges_claiming_one_argument_are_refused():
     model = _mlp()
     x = torch.randn(6, 4, dtype=f64)

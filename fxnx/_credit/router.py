@@ -50,7 +50,7 @@ from .presets import (
     warn_unused_kinds,
 )
 from .result import CreditResult, owned
-from .rules import Exact, Rule, Transport, check_rule, rule_name
+from .rules import DirectFeedbackAlignment, Exact, Rule, Transport, check_rule, rule_name
 from .transport import feedback_weights
 
 __all__ = ["CreditRouter"]
@@ -594,7 +594,8 @@ class CreditRouter(nn.Module):
     def _choose(self, call: NodeCall) -> tuple[Any, str]:
         """The rule bound to ``call``'s node: the user's by name, by kind, the preset's, exact."""
         template = self._by_name.get(call.name)
-        if template is not None:
+        named = template is not None
+        if named:
             check_named(call, template)  # a feedback rule by name: the node must have weights
         else:
             template = lookup(call, self._by_kind) or self.preset.lookup(call) or _EXACT
@@ -602,7 +603,9 @@ class CreditRouter(nn.Module):
         bound = self._bound.get(key)
         if bound is None:
             given = self._given.get(call.name)
-            if isinstance(template, Rule):
+            if isinstance(template, DirectFeedbackAlignment) and named:
+                bound = template.bind_at(call, self.seed, given)  # as at nn.Tanh, not exact
+            elif isinstance(template, Rule):
                 bound = template.bind(call, self.seed, given)
             elif given is not None:
                 raise FxnxValueError(

@@ -517,7 +517,8 @@ class DirectFeedbackAlignment(_Drawn):
     itself, as in the paper. A function node's parameter arguments (the weight
     and bias of an exported ``aten.linear``) get their exact credit; only its
     other inputs get projections, and a function node with no weight of two or
-    more dimensions is routed exactly.
+    more dimensions that the rule reaches by kind is routed exactly (given by the
+    node's name, the rule runs there, as at a module without weights).
 
     Parameters
     ----------
@@ -559,6 +560,13 @@ class DirectFeedbackAlignment(_Drawn):
     def bind(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
         if _weightless(call):
             return Exact().bind(call, seed, feedback)
+        return self.bind_at(call, seed, feedback)
+
+    def bind_at(self, call: NodeCall, seed: int, feedback: Any = None) -> Rule:
+        """This rule at ``call``'s node whatever its weights: the rule needs none of the
+        node's own, so given for a node by name it runs at a function node with no weight
+        (``torch.tanh``) as at a module with none (``nn.Tanh``)."""
+        _weightless(call)  # a weight computed from parameters is still refused
         bound = copy.copy(self)
         bound._seed = seed if self.seed is None else self.seed
         given = feedback if isinstance(feedback, (tuple, list)) else [feedback]
