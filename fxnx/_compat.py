@@ -38,6 +38,8 @@ __all__ = [
     "global_hooks",
     "has_hooks",
     "global_module_hooks",
+    "linear_parameters",
+    "own_buffers",
     "graph_module",
     "is_fake",
     "make_fx_following_values",
@@ -122,11 +124,24 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "is left out of a credit run",
     ),
     (
-        "torch.nn.modules.module._global_forward_hooks and the other global hook tables",
+        "torch.nn.modules.module._global_forward_hooks, _global_forward_pre_hooks, "
+        "_global_backward_hooks, _global_backward_pre_hooks and the other global hook tables",
         "capture reuse: a hook registered for every module since the capture makes fxnx "
         "capture again; credit over a captured graph refuses global hooks",
         "a global hook registered after the capture is not seen by a reused capture, nor a "
         "global hook by a credit run",
+    ),
+    (
+        "nn.Module._buffers",
+        "route_credit and the model's first probe: the buffers to restore afterwards, read "
+        "module by module from each one's table (own_buffers)",
+        "buffers(recurse=False), a generator per module",
+    ),
+    (
+        "nn.Module._parameters, with the hook tables above",
+        "a weight-transport node's nn.Linear is called as F.linear on its weight and bias, "
+        "without the module's frames, while nothing hooks it (linear_parameters)",
+        "the module is called as it is (about 2 µs more per layer and call)",
     ),
     (
         "torch.Tensor._version",
@@ -412,6 +427,39 @@ def global_hooks() -> tuple[bool, bool]:
 
     return (any_of("_global_backward_pre_hooks", "_global_backward_hooks"),
             any_of("_global_forward_pre_hooks", "_global_forward_hooks"))
+
+
+def linear_parameters(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """An ``nn.Linear``'s weight and bias where calling it would run ``F.linear`` on them
+    and nothing else (its class's own ``forward``, patched neither on the class nor on the
+    instance, and no hook of its own or for every module: what ``nn.Module.__call__``
+    checks before its fast path); None otherwise. The router calls such a layer's
+    ``F.linear`` itself, without the module's frames."""
+    from torch.nn.modules import module as table
+
+    try:
+        if (type(module).forward is not _LINEAR_FORWARD or "forward" in module.__dict__
+                or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or table._global_forward_hooks
+                or table._global_forward_pre_hooks or table._global_backward_hooks
+                or table._global_backward_pre_hooks):
+            return None
+        params = module._parameters
+        return params["weight"], params["bias"]
+    except (AttributeError, KeyError):  # a torch that keeps them elsewhere: call the module
+        return None
+
+
+_LINEAR_FORWARD = torch.nn.Linear.forward
+
+
+def own_buffers(module: Any) -> list[torch.Tensor]:
+    """The buffers ``module`` registers itself (``buffers(recurse=False)``, read from its
+    table: a model's every module is read at each ``route_credit``)."""
+    try:
+        return [b for b in module._buffers.values() if b is not None]
+    except AttributeError:  # a torch that keeps them elsewhere
+        return list(module.buffers(recurse=False))
 
 
 def global_module_hooks() -> tuple[Any, ...]:

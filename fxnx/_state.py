@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from ._compat import own_buffers
 
 __all__ = ["preserved", "random_state_kept"]
 
@@ -41,9 +44,10 @@ def preserved(model: Any) -> Iterator[None]:
     >>> bn.running_mean.tolist(), int(bn.num_batches_tracked)
     ([0.0, 0.0], 0)
     """
-    buffers = list(model.buffers()) if isinstance(model, nn.Module) else []
+    modules = list(model.modules()) if isinstance(model, nn.Module) else []
+    buffers = list({id(b): b for m in modules for b in own_buffers(m)}.values())
     saved = [b.detach().clone() for b in buffers]
-    caches = _caches(model)
+    caches = _caches(modules)
     with random_state_kept():
         try:
             yield
@@ -61,24 +65,32 @@ def preserved(model: Any) -> Iterator[None]:
 
 #: nn.Module's own tables (parameters, buffers, submodules): changed only by the model's code.
 _TABLES = frozenset(vars(nn.Module()))
-#: Those of them that are dicts or lists.
+#: Those of them that are dicts or lists, and their types.
 _OWN_DICTS = tuple(name for name, value in vars(nn.Module()).items() if type(value) in (dict, list))
+_OWN_TYPES = tuple(type(vars(nn.Module())[name]) for name in _OWN_DICTS)
+_GET_OWN = operator.itemgetter(*_OWN_DICTS)
 
 
-def _caches(model: Any) -> list[tuple[Any, Any]]:
-    """Each dict and list a module of ``model`` holds as an attribute, with a copy of its
+def _caches(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
+    """Each dict and list one of ``modules`` holds as an attribute, with a copy of its
     contents."""
-    if not isinstance(model, nn.Module):
-        return []
     found = []
-    for m in model.modules():
+    for m in modules:
         own = vars(m)
         kinds = list(map(type, own.values()))
-        if kinds.count(dict) + kinds.count(list) == sum(type(own.get(n)) in (dict, list) for n in _OWN_DICTS):
-            continue  # nn.Module's own tables alone (most modules): counted in C
+        if kinds.count(dict) + kinds.count(list) == len(_OWN_DICTS) and _own_tables_plain(own):
+            continue  # nn.Module's own tables alone (most modules): checked in C
         found += [(value, type(value)(value)) for name, value in own.items()
                   if name not in _TABLES and type(value) in (dict, list)]
     return found
+
+
+def _own_tables_plain(own: dict[str, Any]) -> bool:
+    """Whether a module holds each of nn.Module's own dicts and lists, of its own type."""
+    try:
+        return tuple(map(type, _GET_OWN(own))) == _OWN_TYPES
+    except KeyError:  # a table missing (a module unpickled from an older torch)
+        return False
 
 
 def _refill(caches: list[tuple[Any, Any]]) -> None:

@@ -636,3 +636,50 @@ def test_a_result_holds_no_tensor_of_the_callers():
         g.zero_()
     for res in results:
         assert torch.equal(res.node_credit["output"], e)
+
+
+@pytest.mark.parametrize("how", ["forward_hook", "pre_hook", "global_hook", "patched_forward"])
+def test_a_linear_layer_under_feedback_alignment_runs_what_calling_it_runs(how):
+    """The router calls a feedback-alignment ``nn.Linear`` as ``F.linear`` only while calling
+    it would run nothing else: a hook of its own or a ``forward`` patched on it, added after
+    the router's first step, runs as the model runs it (a hook for every module is refused,
+    as it is for any model). Oracles:
+    the model's own output, and feedback alignment written out by hand."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, e = torch.randn(5, 3, dtype=F64), torch.randn(5, 2, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    (router(x) * e).sum().backward()  # the fast call is set up
+    last, W2, b2 = model[2], model[2].weight, model[2].bias
+    handle = None
+    if how == "forward_hook":
+        handle = last.register_forward_hook(lambda mod, args, out: out * 3)
+    elif how == "pre_hook":
+        handle = last.register_forward_pre_hook(lambda mod, args: (args[0] * 3,))
+    elif how == "global_hook":
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: out * 3 if mod is last else None)
+    else:
+        last.forward = lambda h: F.linear(h * 3, W2, b2)
+    try:
+        model.zero_grad()
+        if how == "global_hook":  # a traced-through module would leave it out: refused
+            with pytest.raises(fxnx.errors.FxnxValueError, match="registered for every module"):
+                router(x)
+            return
+        out = router(x)
+        assert torch.equal(out, model(x))
+        (out * e).sum().backward()
+        # by hand: the hook triples the output or the input of the last layer
+        h = torch.tanh(model[0](x)).detach()
+        B2 = router.feedback["_2"]
+        scaled_out = how in ("forward_hook", "global_hook")
+        g = e * 3 if scaled_out else e
+        h_in = h if scaled_out else h * 3
+        assert rel_error(W2.grad, g.T @ h_in) <= 1e-12
+        credit_h = (g @ B2) * (1 if scaled_out else 3)
+        credit_a = credit_h * (1 - h**2)
+        assert rel_error(model[0].weight.grad, credit_a.T @ x) <= 1e-12
+    finally:
+        if handle is not None:
+            handle.remove()

@@ -96,11 +96,10 @@ def fingerprint(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
     # Parameters and buffers by identity alone: an optimizer step or BatchNorm's running
     # statistics write them in place, and the graph reads their values at run time.
     # Submodules by identity too: each has a fingerprint of its own where it matters.
-    registered = [(n, walk.same(t)) for m in modules for table in _REGISTERED
-                  for n, t in vars(m)[table].items() if t is not None]
+    registered = [walk.registered(vars(m)[table]) for m in modules for table in _REGISTERED]
     own = [{k: v for k, v in vars(m).items() if k not in _REGISTERED} for m in modules]
     return (tuple(registered), tuple(map(walk.value, own)), walk.value(global_module_hooks()),
-            _globals_read(modules))
+            _globals_read(modules), _Held(walk.held))
 
 
 def _globals_read(modules: list[nn.Module]) -> tuple[Any, ...]:
@@ -190,13 +189,19 @@ class _Walk:
     ``("ref", n)``) and the budget left."""
 
     def __init__(self) -> None:
+        #: id to what a later reference becomes: ``("ref", n)``, n the order first seen, or
+        #: for what a module registers, its id (held, so no other object takes it)
         self.seen: dict[int, int] = {}
+        self.held: list[Any] = []
         self.left = _BUDGET
 
-    def same(self, v: Any) -> Any:
-        """``v`` by identity; later references to it become ``("ref", n)``."""
-        self.seen.setdefault(id(v), len(self.seen))
-        return _Same(v)
+    def registered(self, table: dict[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """A module's table of parameters, buffers or submodules: names, and values by
+        identity, in C (a sequence of a thousand layers is walked at every call)."""
+        ids = tuple(map(id, table.values()))
+        self.held.append(table.copy())
+        self.seen.update(zip(ids, ids, strict=True))
+        return tuple(table), ids
 
     def value(self, v: Any) -> Any:
         self.left -= 1

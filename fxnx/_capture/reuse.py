@@ -221,6 +221,10 @@ def _structure(model: nn.Module) -> tuple[Any, ...]:
 def inputs_key(args: Sequence[Any], kwargs: Mapping[str, Any] | None, shapes: bool) -> Any:
     """What a capture depends on in the inputs: their structure, tensors' dtypes, devices and
     (where the capture is specialised to them) shapes, other values as they are."""
+    if not kwargs and all(type(x) is torch.Tensor for x in args):  # the common case, cheaply
+        return len(args), tuple(
+            (tuple(x.shape) if shapes else x.dim(), x.dtype, x.device.type) for x in args
+        )
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     return str(spec), tuple(
         ("tensor", tuple(x.shape) if shapes else x.dim(), x.dtype, x.device.type)

@@ -55,7 +55,7 @@ from torch import Tensor
 from .._callinfo import fetch_attr
 from .._capture.shapes import node_failure
 from .._capture.tracer import NO_GRAD, is_torch_nn
-from .._compat import pytree, saved_tensors_hooks_calls, version
+from .._compat import linear_parameters, pytree, saved_tensors_hooks_calls, version
 from .._errors import FxnxTypeError, FxnxValueError
 from .faithful import Probe, differs
 from .feedback import check_bytes, readable
@@ -459,6 +459,8 @@ class _NativeSpec:
         call = entry.call
         self.entry, self.call, self.rule = entry, call, entry.rule
         self.fn = call.module if call.module is not None else call.target
+        #: an nn.Linear, called as F.linear while nothing hooks it (_run)
+        self.linear = call.module if isinstance(call.module, torch.nn.Linear) else None
         self.weights = feedback_weights(call)  # parameter name to W
         self.first = next(iter(self.weights))
         self.device = next(iter(self.weights.values())).device.type
@@ -570,11 +572,11 @@ def _native_call(spec: _NativeSpec, *args: Any, **kwargs: Any) -> Any:
     hits = spec.hits
     if _HOOKS is None:
         with spec.hooks:
-            out = spec.fn(*args, **kwargs)
+            out = _run(spec, args, kwargs)
     else:  # the same as the context manager, without its frames: once per layer and forward
         _HOOKS[0](spec.pack, spec.unpack)
         try:
-            out = spec.fn(*args, **kwargs)
+            out = _run(spec, args, kwargs)
         finally:
             _HOOKS[1]()
     if spec.hits == hits and _needs_input_credit(args, kwargs, spec.call):
@@ -585,6 +587,16 @@ def _native_call(spec: _NativeSpec, *args: Any, **kwargs: Any) -> Any:
             f"with rules={{{call.name!r}: fxnx.credit.Exact()}} or report this model"
         )
     return out
+
+
+def _run(spec: _NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The node's call; an ``nn.Linear`` that nothing hooks as ``F.linear`` on its weight
+    and bias, which is all its call would do (small layers pay most for its frames)."""
+    if spec.linear is not None and len(args) == 1 and not kwargs:
+        params = linear_parameters(spec.linear)
+        if params is not None:
+            return torch.nn.functional.linear(args[0], *params)
+    return spec.fn(*args, **kwargs)
 
 
 def _inputs_of(entry: Entry, args: Any, kwargs: Any) -> list[Any]:

@@ -90,7 +90,7 @@ def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
     for name, c in node_credit.items():
         if isinstance(c, Tensor):
             norms[name] = None  # its place, filled below
-            single.setdefault((c.dtype, c.device), []).append((name, c.detach()))
+            single.setdefault((c.dtype, c.device), []).append((name, c.detach() if c.requires_grad else c))
         else:
             norms[name] = credit_norm(c)
     for group in single.values():

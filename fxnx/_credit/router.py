@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 import warnings
 import weakref
@@ -56,6 +57,8 @@ from .transport import feedback_weights
 __all__ = ["CreditRouter"]
 
 _EXACT = Exact()
+#: A parameter's trainability, read in C for each of a model's parameters at every call.
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _RESULT = "\0result"  # the model's output among the values whose credit backward() reports
 #: Where on G the captures checked against the model are noted (capture id -> weak reference).
 _CHECKED = "_fxnx_checked"
@@ -587,7 +590,7 @@ class CreditRouter(nn.Module):
         watched = self._watched.get(id(cap.gm))
         if watched is None:
             return object()  # never equal: key the whole structure again
-        params = [p.requires_grad for p in self._plan.params.values()] if self._plan else []
+        params = tuple(map(_REQUIRES_GRAD, self._plan.params.values())) if self._plan else ()
         modules = structure(watched) if plain else fingerprint(watched)
         return (inputs_key(inputs, kwargs, shapes=cap.shape_specialised), params, modules)
 
