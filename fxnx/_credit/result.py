@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,19 +86,26 @@ def credit_norm(credit: Credit) -> float | None:
 def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
     """:func:`credit_norm` of each node's credit (the credits of one tensor all at once: one
     call for their norms, read back together)."""
-    norms: dict[str, float | None] = {}
-    single: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor]]] = {}
+    norms: dict[str, float | None] = dict.fromkeys(node_credit)
+    names = [name for name, c in node_credit.items() if isinstance(c, Tensor)]
+    tensors = [node_credit[name] for name in names]
+    groups: dict[Any, tuple[list[str], list[Tensor]]] = {}
+    for name, c, kind in zip(names, tensors, map(_KIND, tensors), strict=True):
+        group = groups.get(kind) or groups.setdefault(kind, ([], []))
+        group[0].append(name)
+        group[1].append(c)
+    with torch.no_grad():
+        for group_names, group in groups.values():
+            values = torch.stack(vector_norms(group)).tolist()
+            norms.update(zip(group_names, map(float, values), strict=True))
     for name, c in node_credit.items():
-        if isinstance(c, Tensor):
-            norms[name] = None  # its place, filled below
-            single.setdefault((c.dtype, c.device), []).append((name, c.detach() if c.requires_grad else c))
-        else:
+        if not isinstance(c, Tensor):
             norms[name] = credit_norm(c)
-    for group in single.values():
-        names, tensors = zip(*group, strict=True)
-        values = torch.stack(vector_norms(list(tensors))).tolist()
-        norms.update(zip(names, map(float, values), strict=True))
     return norms
+
+
+#: What the norms of one call share: a tensor's dtype and device.
+_KIND = operator.attrgetter("dtype", "device")
 
 
 def owned(node_credit: dict[str, Any], given: Any = None) -> dict[str, Any]:
