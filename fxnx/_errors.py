@@ -98,10 +98,14 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn, pointing at the caller's own line rather than at fxnx's internals."""
-    level = 2  # warn_user's caller; then up to the first frame outside fxnx
+    """Warn, pointing at the caller's own line rather than at fxnx's internals or torch's
+    (``router(x)`` runs fxnx inside ``nn.Module.__call__``)."""
+    level = 2  # warn_user's caller; then up to the first frame outside fxnx and torch
     caller: types.FrameType | None = sys._getframe(1)
-    while caller is not None and os.path.abspath(caller.f_code.co_filename).startswith(_PACKAGE):
+    while caller is not None and (
+        os.path.abspath(caller.f_code.co_filename).startswith(_PACKAGE)
+        or str(caller.f_globals.get("__name__", "")).startswith("torch.")
+    ):
         caller, level = caller.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 

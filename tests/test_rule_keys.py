@@ -136,9 +136,16 @@ def test_a_kind_the_user_gave_that_matches_no_node_warns():
         fxnx.route_credit(G, model, x, rules={nn.Conv2d: FeedbackAlignment()})
     with pytest.warns(UserWarning, match=r"rule for torch\.relu.*node kinds are nn\.Linear, nn\.Tanh"):
         fxnx.route_credit(G, model, x, rule=PRESETS["feedback_alignment"] | {torch.relu: Exact()})
-    with pytest.warns(UserWarning, match=r"no node of this graph is nn\.Conv2d"):
-        router = fxnx.CreditRouter(G, model, rules={nn.Conv2d: Exact()})
+    router = fxnx.CreditRouter(G, model, rules={nn.Conv2d: Exact()})
+    with pytest.warns(UserWarning, match=r"no node of this graph is nn\.Conv2d") as record:
         router(x)
+    # pointing at the user's line, not at torch's nn.Module.__call__ nor at fxnx
+    assert [w.filename for w in record] == [__file__]
+    act = nn.Sequential(nn.Tanh())
+    router = fxnx.CreditRouter(fxnx.convert(act, x), act, rule="feedback_alignment")
+    with pytest.warns(UserWarning, match="'feedback_alignment' applies to no node") as record:
+        router(x)
+    assert [w.filename for w in record] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a preset's own kinds, and kinds that match, are quiet
         fxnx.route_credit(G, model, x, rule="feedback_alignment")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
@@ -33,7 +32,7 @@ from .._capture.reuse import (
 )
 from .._compat import pytree
 from .._contract import validate
-from .._errors import FxnxError, FxnxTypeError, FxnxValueError
+from .._errors import FxnxError, FxnxTypeError, FxnxValueError, warn_user
 from .._state import preserved
 from . import feedback as fb
 from .compare import cosine_angle, flat
@@ -627,10 +626,9 @@ class CreditRouter(nn.Module):
         if not self.preset or self._by_name or self._by_kind:
             return
         if all(isinstance(rule, Exact) for rule in plan.rules.values()):
-            warnings.warn(
+            warn_user(
                 f"rule {self.preset.name!r} applies to no node of this model; every node is "
-                "routed exactly",
-                stacklevel=5,
+                "routed exactly"
             )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
