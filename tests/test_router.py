@@ -180,6 +180,59 @@ def test_misuse_is_refused_with_what_to_do():
         fxnx.CreditRouter(fxnx.convert(model, x), model, rules={nn.Linear: fxnx.credit.Exact})
 
 
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x, scale=None):
+        y = self.lin(x)
+        return y if scale is None else y * scale
+
+
+def test_misuse_of_inputs_edges_and_rules_says_what_to_do():
+    """A keyword input G was not converted with; a G whose edits leave no path from a layer
+    to the output; a rule that calls call.exact twice without keeping the graph: each says
+    what was wrong and what to do, where torch's own errors (or a list of missing nodes)
+    came before."""
+    model = _Scaled().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    two = torch.tensor(2.0, dtype=torch.float64)
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"called with input \['scale'\] that G was not converted with.*kwargs="):
+        fxnx.CreditRouter(G, model, rule="feedback_alignment")(x, scale=two)
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"input \['scale'\]"):
+        fxnx.route_credit(G, model, x, kwargs={"scale": two})
+    routed = fxnx.route_credit(fxnx.convert(model, x, kwargs={"scale": two}), model, x, kwargs={"scale": two})
+    assert torch.equal(routed.output, model(x, scale=two))  # converted with it, it routes
+
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    cut = fxnx.convert(mlp, x)
+    cut.remove_edges_from(list(cut.in_edges("output", keys=True)))
+    with pytest.warns(UserWarning, match=r"no path of G's edges leads from a parameter to the output node 'output'"):
+        out = fxnx.CreditRouter(cut, mlp)(x)
+    assert torch.equal(out, mlp(x)) and not out.requires_grad  # its value flows, no credit
+
+    def twice(call, credit, state):
+        call.exact(credit)
+        return call.exact(credit)
+
+    router = fxnx.CreditRouter(fxnx.convert(mlp, x), mlp, rules={"_2": twice})
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node '_2': call.exact was called again.*retain_graph=True"):
+        router(x).sum().backward()
+
+    def kept(call, credit, state):
+        call.exact(credit, retain_graph=True)
+        return call.exact(credit)
+
+    mlp.zero_grad()
+    fxnx.CreditRouter(fxnx.convert(mlp, x), mlp, rules={"_2": kept})(x).sum().backward()
+    got = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    mlp(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, mlp.parameters(), strict=True))
+
+
 def test_the_plan_is_compiled_once(monkeypatch):
     from fxnx._credit import router as engine
 

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._compat import OpOverload, op_schema, pytree
+from .._errors import FxnxValueError
 
 __all__ = ["NodeCall", "out_of_place_twin", "run_node", "runs_out_of_place", "written_input"]
 
@@ -145,9 +146,17 @@ class NodeCall:
         index = [k for k, t in enumerate(wrt) if isinstance(t, Tensor) and t.requires_grad]
         if not index:
             return [None] * count, {}
-        got = torch.autograd.grad(
-            outs, [wrt[k] for k in index], grads, allow_unused=True, retain_graph=retain_graph
-        )
+        try:
+            got = torch.autograd.grad(
+                outs, [wrt[k] for k in index], grads, allow_unused=True, retain_graph=retain_graph
+            )
+        except RuntimeError as err:
+            if "second time" not in str(err):
+                raise
+            raise FxnxValueError(
+                f"node {self.name!r}: call.exact was called again after a call that freed the "
+                "node's graph; pass retain_graph=True to every call of call.exact but the last"
+            ) from err
         result: list[Any] = [None] * len(wrt)
         for k, g in zip(index, got, strict=True):
             result[k] = g

@@ -96,7 +96,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
                 entry.param = param_nodes[node.name] = param_names[id(value)]
         origins[node.name] = origin(node, entry.param, origins)
         entries[node.name] = entry
-    _check_nodes(G, list(entries))
+    _check_nodes(G, entries)
     _check_writes(gm)
     for entry in entries.values():
         call = entry.call
@@ -214,9 +214,21 @@ def check_arguments(G: nx.MultiDiGraph) -> None:
             )
 
 
-def _check_nodes(G: nx.MultiDiGraph, model_nodes: list[str]) -> None:
+def _check_nodes(G: nx.MultiDiGraph, entries: dict[str, Entry]) -> None:
+    model_nodes = list(entries)
     missing = [n for n in model_nodes if n not in G]
     extra = sorted(set(G) - set(model_nodes))
+    inputs = [n for n in missing if entries[n].call.op == "placeholder"]
+    own = {n for n, op in G.nodes(data="op") if op == "placeholder"}
+    if inputs and own <= {n for n, e in entries.items() if e.call.op == "placeholder"}:
+        # G's inputs and more: one G was not converted with (a keyword argument, most often)
+        raise FxnxValueError(
+            f"the model was called with input{'s' * (len(inputs) > 1)} {inputs} that G was not "
+            "converted with, so G has no node for what the model computes from "
+            f"{'them' if len(inputs) > 1 else 'it'}: convert with the same inputs, keyword "
+            "arguments included (fxnx.convert(model, x, kwargs={...})), and route with a new "
+            "router"
+        )
     if missing:
         raise FxnxValueError(
             f"G lacks nodes the model computes: {missing[:8]}{' …' if len(missing) > 8 else ''}. "

@@ -95,8 +95,8 @@ def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
         group[0].append(name)
         group[1].append(c)
     with torch.no_grad():
-        for group_names, group in groups.values():
-            values = torch.stack(vector_norms(group)).tolist()
+        for group_names, members in groups.values():
+            values = torch.stack(vector_norms(members)).tolist()
             norms.update(zip(group_names, map(float, values), strict=True))
     for name, c in node_credit.items():
         if not isinstance(c, Tensor):
