@@ -244,3 +244,31 @@ def test_a_weight_computed_from_parameters_is_refused_by_feedback_rules(norm):
         fxnx.CreditRouter(G, model, rule="feedback_alignment")(x)
     exact = fxnx.route_credit(G, model, x, rule="exact")  # exact routing is unaffected
     assert set(exact.param_credit) >= {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("route", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("spelling", ["viewed", "linear"])
+def test_a_frozen_weight_still_has_its_feedback_on_the_way_back(route, spelling):
+    """A frozen second layer (``requires_grad=False``) is not trained, but the credit that
+    passes through it to the first layer goes through ``B``, however the layer is written:
+    ``x @ W.T`` as ``nn.Linear`` (the function spelling was routed exactly, the module one by
+    ``B``). By hand, as above."""
+    torch.manual_seed(0)
+    viewed = Viewed()
+    model = viewed if spelling == "viewed" else Linear(viewed)
+    frozen = model.w2 if spelling == "viewed" else model.l2.weight
+    frozen.requires_grad_(False)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    e = torch.randn(6, 4, dtype=torch.float64)
+    B1, B2 = FEEDBACK
+    G = fxnx.convert(model, x, routes=route)
+    first, second = _weighted(G)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment", feedback={first: B1, second: B2})
+    (router(x) * e).sum().backward()
+    W1 = viewed.w1.detach()
+    h = torch.tanh(x @ W1.T)
+    d_pre = (e @ B2) * (1 - h**2)
+    trained = model.w1 if spelling == "viewed" else model.l1.weight
+    assert frozen.grad is None
+    assert rel_error(trained.grad, d_pre.T @ x) <= 1e-12
+    assert not torch.allclose(e @ B2, e @ frozen.detach())  # B2 is not W2: FA tells from exact

@@ -60,7 +60,7 @@ class NodeCall:
         The arguments the node was called with, ``inputs`` in their places.
     param_inputs : dict
         Input occurrence to ``(qualified name, parameter)`` for the occurrences
-        that are a trainable parameter of the model (a ``get_attr`` node): the
+        that are a parameter of the model, frozen or not (a ``get_attr`` node): the
         weight of ``F.linear(x, self.weight)`` or of an exported ``aten.linear``, or a
         chain of views, reshapes, casts and scales of one (``x @ self.weight.T``,
         ``self.weight.to(x.dtype)``).

@@ -70,6 +70,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
     param_names = {id(p): name for name, p in named}
     entries: dict[str, Entry] = {}
     param_nodes: dict[str, str] = {}  # get_attr node name to the trainable parameter it reads
+    weight_nodes: dict[str, str] = {}  # ... to any parameter it reads: a frozen weight is one
     origins: dict[str, tuple[str, ...] | None] = {}  # see weight_inputs.origin
     for node in gm.graph.nodes:
         module = gm.get_submodule(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
@@ -87,13 +88,15 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
             sources=[src.name for _, src in occ], labels=[label for label, _ in occ],
             inputs=[], output=None, params=params, args=node.args, kwargs=dict(node.kwargs),
             owner=_owner(node, module, model),
-            **param_inputs(gm, [src for _, src in occ], param_nodes, origins),
+            **param_inputs(gm, [src for _, src in occ], weight_nodes, origins),
         )
         entry = Entry(node=node, call=call)
         if node.op == "get_attr":
             value = fetch_attr(gm, node.target)  # type: ignore[arg-type]
-            if isinstance(value, nn.Parameter) and value.requires_grad and id(value) in param_names:
-                entry.param = param_nodes[node.name] = param_names[id(value)]
+            if isinstance(value, nn.Parameter) and id(value) in param_names:
+                weight_nodes[node.name] = param_names[id(value)]
+                if value.requires_grad:
+                    entry.param = param_nodes[node.name] = param_names[id(value)]
         origins[node.name] = origin(node, entry.param, origins)
         entries[node.name] = entry
     _check_nodes(G, entries)

@@ -82,10 +82,11 @@ def has_weights(call: NodeCall) -> bool:
 
 
 def _other_weights(call: NodeCall) -> dict[str, Tensor]:
-    """A generic node's weights: the trainable parameters of two or more dimensions of its
-    module (by local name), or among a function node's arguments (by qualified name)."""
+    """A generic node's weights: the parameters of two or more dimensions of its module (by
+    local name), or among a function node's arguments (by qualified name); frozen ones too,
+    as for ``nn.Linear``: a layer's backward reads its weight whether or not it trains."""
     if call.module is not None:
-        return {n: p for n, p in call.module.named_parameters() if p.requires_grad and p.dim() >= 2}
+        return {n: p for n, p in call.module.named_parameters() if p.dim() >= 2}
     return {name: p for name, p in call.param_inputs.values() if p.dim() >= 2}
 
 

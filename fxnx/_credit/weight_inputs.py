@@ -108,7 +108,7 @@ def param_inputs(
     origins: Mapping[str, tuple[str, ...] | None],
 ) -> dict[str, Any]:
     """``param_inputs``, ``param_views`` and ``computed_weights`` of a node whose input
-    occurrences come from ``sources``: the occurrences that are a trainable parameter
+    occurrences come from ``sources``: the occurrences that are a parameter, frozen or not
     (``params``: get_attr node name to the parameter's qualified name) or a chain of
     :data:`_STEPS` from one, and those computed from parameters otherwise."""
     found: dict[int, tuple[str, Tensor]] = {}
