@@ -159,7 +159,7 @@ def test_joint_graph_without_sequence_numbers(monkeypatch):
 def test_norms_and_saved_tensor_hooks_without_their_private_names(monkeypatch):
     """Without torch._foreach_norm the norms are vector_norm's, the same; without the hooks'
     push and pop, weight transport enters the context manager: the same credit bit for bit."""
-    from fxnx._credit import graft
+    from fxnx._credit import native
 
     tensors = [torch.randn(3, 4), torch.randn(5), torch.zeros(0)]
     fast = _compat.vector_norms(tensors)
@@ -178,7 +178,7 @@ def test_norms_and_saved_tensor_hooks_without_their_private_names(monkeypatch):
         return x_.grad
 
     direct = credit()
-    monkeypatch.setattr(graft, "_HOOKS", None)
+    monkeypatch.setattr(native, "_HOOKS", None)
     assert torch.equal(direct, credit())
 
 

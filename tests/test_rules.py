@@ -213,16 +213,16 @@ def test_dfa_sends_to_a_layer_when_the_backward_pass_reaches_it(monkeypatch):
     """Each layer's input gets its projection of the output credit when autograd reaches the
     layer, as exact credit would, not all at the output (where every projection would be
     held at once: the memory of a whole backward pass). The credit is the same by hand."""
-    from fxnx._credit import graft
+    from fxnx._credit import graft, taps
 
     log = []
-    real = graft._TapSpec.send
+    real = taps.TapSpec.send
 
     def send(self, j, e, shape, dtype):
         log.append(("sent", self.pairs[j][0].call.name))
         return real(self, j, e, shape, dtype)
 
-    monkeypatch.setattr(graft._TapSpec, "send", send)
+    monkeypatch.setattr(taps.TapSpec, "send", send)
     monkeypatch.setattr(graft, "is_torch_nn", lambda module: True)  # the marks pass credit on every call
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), _Mark(log, "_0"), nn.Tanh(), nn.Linear(7, 6), _Mark(log, "_3"),
@@ -536,7 +536,7 @@ def test_dfa_defers_a_send_that_the_backward_pass_reaches_past_one_made_at_the_o
     projection at the output), the layers the backward pass reaches from that projection
     still get theirs when it reaches them: none is taken for unreached (which would hold
     every projection at once, the memory this design saves)."""
-    from fxnx._credit import graft
+    from fxnx._credit import taps
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 6),
@@ -545,6 +545,6 @@ def test_dfa_defers_a_send_that_the_backward_pass_reaches_past_one_made_at_the_o
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
     (router(x) * e).sum().backward()
     (spec,) = {id(v): v for run in router._grafts.values() for v in vars(run.gm).values()
-               if isinstance(v, graft._TapSpec)}.values()
+               if isinstance(v, taps.TapSpec)}.values()
     received = {spec.pairs[j][0].call.name for j in range(len(spec.pairs)) if j not in spec.unreached}
     assert "_2" in received and not spec.unreached  # _2 is reached only from _4's projection

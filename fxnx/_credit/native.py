@@ -1,0 +1,218 @@
+"""Weight transport, natively: ``B`` swapped in for ``W`` in what the layer's backward saves.
+
+Weight transport (feedback alignment, sign symmetry) on linear layers,
+convolutions, attention and transformer layers runs the layer as it is, but
+while it runs every tensor that the layer's backward saves from a weight ``W``
+is swapped for the same view of the feedback weight ``B`` (a
+``saved_tensors_hooks`` pair). Autograd's own backward then sends ``credit·B``
+to the input and the exact credit to ``W`` and the bias (dropout inside the
+layer replays its own mask). Fixed ``B`` costs no Python in the backward pass;
+sign symmetry's ``sign(W)·M`` is made there, one layer at a time, and dropped
+after it. Under autocast, where the layer would save a cast copy of ``W``, the
+node runs through its rule instead (:mod:`.ruled`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from .._compat import linear_parameters, pytree, saved_tensors_hooks_calls, version
+from .._errors import FxnxValueError
+from .nodecall import NodeCall
+from .plan import Entry
+from .ruled import FunctionSpec, function_call
+from .rules import RoutingState, SignSymmetry, signed
+from .transport import feedback_weights
+
+
+class NativeSpec:
+    """A weight-transport node run natively, made once per node: what it calls, its weights,
+    and a ``saved_tensors_hooks`` pair kept across calls whose pack function swaps each view
+    of a weight ``W`` that the layer saves for the same view of ``B``.
+
+    Fixed feedback (feedback alignment, Kolen–Pollack, weight mirrors) is swapped in as it
+    is, each view made once; the unpack function is ``operator.itemgetter(0)``, in C.
+    Sign symmetry's ``B = sign(W)·M`` is made in the backward pass, when the layer's backward
+    unpacks it, and dropped once the layer's backward is done (:class:`_SignOf`): no copy of
+    the weights lives from the forward pass to the backward pass.
+    """
+
+    def __init__(self, entry: Entry) -> None:
+        call = entry.call
+        self.entry, self.call, self.rule = entry, call, entry.rule
+        self.fn = call.module if call.module is not None else call.target
+        #: an nn.Linear, called as F.linear while nothing hooks it (_run)
+        self.linear = call.module if isinstance(call.module, torch.nn.Linear) else None
+        self.weights = feedback_weights(call)  # parameter name to W
+        self.first = next(iter(self.weights))
+        self.device = next(iter(self.weights.values())).device.type
+        #: sign symmetry of its own kind: B made lazily from sign(W) and the magnitudes
+        self.signs = isinstance(self.rule, SignSymmetry) and type(self.rule).feedback_for is SignSymmetry.feedback_for
+        #: start, end, W, B or M, the given feedback, and its version where B is a copy of it
+        self.spans: list[tuple[int, int, Tensor, Any, Any, int | None]] = []
+        self.views: dict[tuple[Any, ...], Tensor] = {}
+        self.hits = 0
+        self.unpack = _unpack if self.signs else _FIRST
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def use(self) -> None:
+        """Take this call's feedback: ``B`` for each weight (laid out like ``W``), or for sign
+        symmetry the magnitudes ``M`` (drawn afresh at each call for brSF)."""
+        if self.signs:
+            magnitudes = self.rule.magnitudes(self.call)
+            self.spans = [  # M read when unpacked (brSF draws it then)
+                (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, (magnitudes, name), None, None)
+                for name, W in self.weights.items()
+            ]
+            return
+        feedback = self.rule.feedback_for(self.call)
+        old = self.spans
+        if len(old) == 1:  # one weight (a linear or convolution layer): no loop
+            if _current(old[0], feedback[self.first]):
+                return  # the same B (feedback alignment): its views are kept
+        elif old and all(_current(span, feedback[name]) for span, name in zip(old, self.weights, strict=True)):
+            return
+        spans = []
+        for name, W in self.weights.items():
+            given = feedback[name]
+            B, stamp = given.detach(), None
+            if B.stride() != W.stride() or B.dtype != W.dtype or B.device != W.device:
+                B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device).copy_(B)
+                stamp = version(given)  # a copy: made again once the given B is written
+            start = W.data_ptr()
+            spans.append((start, start + W.numel() * W.element_size(), W, B, given, stamp))
+        self.views = {}
+        self.spans = spans
+
+    def pack(self, t: Tensor) -> Any:
+        ptr = t.data_ptr()
+        for start, end, W, B, _, _ in self.spans:
+            if start <= ptr < end and t.dtype == W.dtype:
+                self.hits += 1
+                if self.signs:
+                    return _SignOf(W, B, t)
+                key = (id(B), ptr, t.size(), t.stride())
+                view = self.views.get(key)
+                if view is None:
+                    offset = t.storage_offset() - W.storage_offset() + B.storage_offset()
+                    view = self.views[key] = B.as_strided(t.size(), t.stride(), offset)
+                return (view,)
+        return (t,)
+
+
+def _current(span: tuple[int, int, Tensor, Any, Any, int | None], given: Any) -> bool:
+    """Whether ``span`` holds ``given`` as it is now: the same tensor, ``W`` where it was, and
+    a copy of ``given`` (another dtype or layout than ``W``'s) made since its last write
+    (Kolen–Pollack and weight mirrors update ``B`` in place)."""
+    start, _, W, _, held, stamp = span
+    return held is given and W.data_ptr() == start and (stamp is None or stamp == version(given))
+
+
+_FIRST = operator.itemgetter(0)
+_HOOKS = saved_tensors_hooks_calls()
+
+
+class _SignOf:
+    """A view of ``W`` saved by a layer under sign symmetry: on unpacking, the same view of
+    ``sign(W)·M`` (``W`` as it was when saved: a write into it since is refused, as autograd
+    refuses one into a tensor it saved)."""
+
+    __slots__ = ("W", "M", "version", "size", "stride", "offset", "B")
+
+    def __init__(self, W: Tensor, M: Any, t: Tensor) -> None:
+        self.W, self.M, self.version = W, M, version(W)
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset() - W.storage_offset()
+        self.B: Tensor | None = None
+
+    def unpack(self) -> Tensor:
+        if self.B is None:
+            W = self.W
+            if version(W) != self.version:
+                raise FxnxValueError(
+                    "a weight routed by sign symmetry was written in place (an optimizer step?) "
+                    "between the forward pass and its backward pass, which reads sign(W) as the "
+                    "forward pass saw it: call backward before changing the weights"
+                )
+            magnitudes, name = self.M
+            B = signed(magnitudes, name, W.detach())
+            self.B = B.as_strided(self.size, self.stride, B.storage_offset() + self.offset)
+        return self.B
+
+
+def _unpack(packed: Any) -> Tensor:
+    return packed[0] if type(packed) is tuple else packed.unpack()
+
+
+def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():  # nothing is saved: the layer as it is
+        return spec.fn(*args, **kwargs)
+    if torch.is_autocast_enabled(spec.device):
+        # The layer would save a cast copy of W, not W: route it through its rule instead.
+        entry = spec.entry
+        return function_call(FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
+    spec.use()
+    hits = spec.hits
+    if _HOOKS is None:
+        with spec.hooks:
+            out = _run(spec, args, kwargs)
+    else:  # the same as the context manager, without its frames: once per layer and forward
+        _HOOKS[0](spec.pack, spec.unpack)
+        try:
+            out = _run(spec, args, kwargs)
+        finally:
+            _HOOKS[1]()
+    if spec.hits == hits and _needs_input_credit(args, kwargs, spec.call):
+        call = spec.call
+        raise FxnxValueError(
+            f"node {call.name!r}: its backward did not read its weight where feedback weights "
+            f"were to replace it, so {spec.entry.rule_name} cannot be applied natively; route it "
+            f"with rules={{{call.name!r}: fxnx.credit.Exact()}} or report this model"
+        )
+    return out
+
+
+def _run(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The node's call; an ``nn.Linear`` that nothing hooks as ``F.linear`` on its weight
+    and bias, which is all its call would do (small layers pay most for its frames)."""
+    if spec.linear is not None and len(args) == 1 and not kwargs:
+        params = linear_parameters(spec.linear)
+        if params is not None:
+            return torch.nn.functional.linear(args[0], *params)
+    return spec.fn(*args, **kwargs)
+
+
+def _inputs_of(entry: Entry, args: Any, kwargs: Any) -> list[Any]:
+    """The values of ``entry``'s input occurrences among concrete ``args``/``kwargs``."""
+    found: list[Any] = []
+
+    def walk(template: Any, value: Any) -> None:
+        if isinstance(template, fx.Node):
+            found.append(value)
+        elif isinstance(template, (list, tuple)):
+            for t, v in zip(template, value, strict=True):
+                walk(t, v)
+        elif isinstance(template, dict):
+            for key, t in template.items():
+                walk(t, value[key])
+        elif isinstance(template, slice):
+            for part in ("start", "stop", "step"):
+                walk(getattr(template, part), getattr(value, part))
+
+    walk((tuple(entry.node.args), dict(entry.node.kwargs)), (tuple(args), dict(kwargs)))
+    return found
+
+
+def _needs_input_credit(args: Any, kwargs: Any, call: NodeCall) -> bool:
+    """Whether an input other than the node's parameters (an ATen node's weight and bias are
+    arguments) carries credit: only then must its backward have read the weight."""
+    # A parameter, route_credit's alias of it, or a view of it that copies nothing (W.T)
+    own = {(p.data_ptr(), p.numel()) for p in call.own_parameters()}
+    return any(
+        isinstance(t, Tensor) and t.requires_grad and (t.data_ptr(), t.numel()) not in own
+        for t in pytree.tree_leaves((args, kwargs))
+    )

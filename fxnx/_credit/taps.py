@@ -1,0 +1,208 @@
+"""Direct feedback alignment's taps: the credit at the model's output, sent on as ``e·B``.
+
+Direct feedback alignment runs the layer on its inputs detached (its parameters
+get exact credit; :mod:`.graft`); an autograd function at the model's output
+(:class:`_Tap`) takes ``e``, the credit there (kept for every rule's state too),
+and one on the layer's output (:class:`_Receive`) sends each such input ``e·B``
+when the backward pass reaches the layer (one projection alive at a time, as
+exact credit would be). A layer whose output is written in place, or that no
+edge of ``G`` joins to the output, gets its ``e·B`` at the output.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._compat import pytree
+from .._errors import FxnxValueError
+from .feedback import check_bytes, readable
+from .plan import Entry
+from .rules import RoutingState
+
+
+class TapSpec:
+    """The direct-feedback inputs a tap projects onto, ``(entry, occurrence)`` each, and what
+    it keeps across calls: the input shapes last checked, and each input's sender (see
+    :meth:`DirectFeedbackAlignment.sender`) with the key it is valid for."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Entry, int]] = []
+        self.checked: Any = None
+        self.drawn = True
+        self.senders: list[tuple[Any, Any]] = []
+        self.reach: Any = None  # the forward whose receivers were last checked (see _unreached)
+        self.unreached: set[int] = set()  # places whose node the backward pass does not reach
+
+    def add(self, entry: Entry, k: int) -> int:
+        """Project onto ``entry``'s input occurrence ``k``; its place among the pairs."""
+        self.pairs.append((entry, k))
+        self.senders.append((None, None))
+        self.drawn = False
+        return len(self.pairs) - 1
+
+    def send(self, j: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        key = (e.shape[1], e.dtype, shape, dtype)
+        known, sender = self.senders[j]
+        if known != key:
+            entry, k = self.pairs[j]
+            sender = entry.rule.sender(entry.call, k, e, shape, dtype)
+            self.senders[j] = (key, sender)
+        return sender(e)
+
+
+def tap_output(spec: TapSpec, state: RoutingState, out: Any, *projected: Any) -> Any:
+    leaves, tree = pytree.tree_flatten(out)
+    slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+    if not slots:
+        return out
+    if state._received and spec.reach != (slots, state._received):  # once per kind of forward
+        state._received -= _unreached(spec, [leaves[i] for i in slots], projected, state._received)
+        spec.reach = (slots, set(state._received))
+    tapped = _Tap.apply(spec, state, (leaves, tree, slots), *(leaves[i] for i in slots), *projected)
+    for i, t in zip(slots, tapped if isinstance(tapped, tuple) else (tapped,), strict=True):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, tree)
+
+
+class _Tap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, spec: TapSpec, state: RoutingState, where: Any, *tensors: Any) -> Any:  # type: ignore[override]
+        leaves, tree, slots = where
+        outs, projected = tensors[:len(slots)], tensors[len(slots):]
+        shapes = [x.shape if isinstance(x, Tensor) else None for x in projected]
+        batch = {t.shape[0] if t.dim() else None for t in outs}
+        wanted = [isinstance(x, Tensor) and x.requires_grad for x in projected]
+        if spec.checked != (batch, shapes, wanted):  # checked once per shape
+            for (entry, k), x, want in zip(spec.pairs, projected, wanted, strict=True):
+                if want and (x.dim() == 0 or batch != {x.shape[0]}):
+                    raise FxnxValueError(
+                        f"direct feedback alignment at node {entry.call.name!r}: its input {k} has "
+                        f"shape {tuple(x.shape)}, whose first dimension is not the output's batch size "
+                        f"({', '.join(map(str, sorted(b for b in batch if b is not None))) or 'none'}); "
+                        f"route this node another way, e.g. rules={{{entry.call.name!r}: Exact()}}"
+                    )
+            if not spec.drawn:
+                if any(not entry.rule.drawn(k) for entry, k in spec.pairs):  # before the first draws only
+                    _check_feedback_bytes(spec.pairs, outs, projected)
+                else:
+                    spec.drawn = True
+            spec.checked = (batch, shapes, wanted)
+        ctx.spec, ctx.state, ctx.where = spec, state, (leaves, tree, slots)
+        ctx.shapes = shapes
+        ctx.dtypes = [x.dtype if isinstance(x, Tensor) else None for x in projected]
+        return outs if len(outs) != 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        leaves, tree, slots = ctx.where
+        credit: list[Any] = [None] * len(leaves)
+        for i, g in zip(slots, grads, strict=True):
+            credit[i] = g
+        ctx.state.output_credit = pytree.tree_unflatten(credit, tree)
+        sent: list[Tensor | None] = []
+        spec = ctx.spec
+        if spec.pairs:
+            e = ctx.state._direct = torch.cat([g.reshape(g.shape[0], -1) for g in grads], 1)
+            needs = ctx.needs_input_grad[3 + len(slots):]
+            received = ctx.state._received
+            for j, (shape, dtype, needed) in enumerate(zip(ctx.shapes, ctx.dtypes, needs, strict=True)):
+                sent.append(spec.send(j, e, shape, dtype) if needed and j not in received else None)
+        return (None, None, None, *grads, *sent)
+
+
+def receive(spec: TapSpec, state: RoutingState, places: tuple[int, ...], value: Any, *inputs: Any) -> Any:
+    """``value``, a direct-feedback node's output, through :class:`_Receive`: its inputs
+    (the tap's ``places``) get their projection of the output credit when the backward pass
+    reaches the node. Left to the tap where there is nothing to receive or no tensor to
+    receive it by."""
+    wanted = [isinstance(x, Tensor) and x.requires_grad for x in inputs]
+    if not torch.is_grad_enabled() or not isinstance(value, Tensor) or not any(wanted):
+        return value
+    if spec.unreached and not spec.unreached.isdisjoint(places):
+        return value
+    state._received.update(j for j, want in zip(places, wanted, strict=True) if want)
+    return _Receive.apply(spec, state, places, value, *inputs)
+
+
+class _Receive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, spec: TapSpec, state: RoutingState, places: tuple[int, ...], value: Tensor, *inputs: Any) -> Tensor:  # type: ignore[override]
+        ctx.spec, ctx.state, ctx.places = spec, state, places
+        ctx.shapes = [x.shape if isinstance(x, Tensor) else None for x in inputs]
+        ctx.dtypes = [x.dtype if isinstance(x, Tensor) else None for x in inputs]
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        e, spec = ctx.state._direct, ctx.spec
+        if e is None:  # the output's tap sets it: the backward pass always passes it first
+            entry, _ = spec.pairs[ctx.places[0]]
+            raise FxnxValueError(
+                f"direct feedback alignment at node {entry.call.name!r}: credit reached it by "
+                "a path that does not pass through the router's output; compute the loss from "
+                "the output router(...) returned"
+            )
+        needs = ctx.needs_input_grad[4:]
+        sent = [
+            spec.send(j, e, shape, dtype) if needed else None
+            for j, shape, dtype, needed in zip(ctx.places, ctx.shapes, ctx.dtypes, needs, strict=True)
+        ]
+        return (None, None, None, credit, *sent)
+
+
+def _unreached(spec: TapSpec, outs: list[Tensor], projected: Sequence[Any], received: set[int]) -> set[int]:
+    """The places in ``received`` whose :class:`_Receive` the backward pass does not reach: a
+    node read only through what carries no credit (``argmax``, ``detach``, a ``zeros_like``)
+    by every path to the output. They get their projection at the output, as direct feedback
+    defines, and later forwards leave them to the output (``spec.unreached``).
+
+    The backward pass starts at ``outs`` and at every input the tap itself projects onto
+    (those not in ``received``, then those of each node found unreached): from there autograd's
+    graph is walked, once per kind of forward (what a captured graph records the same way each
+    time); :func:`.graft._credited` has already left out what could differ from call to call.
+    """
+    seen: set[Any] = set()
+    reached: set[int] = set()
+    roots = list(outs) + [x for j, x in enumerate(projected) if j not in received]
+    missed: set[int] = set()
+    while roots:
+        stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            if getattr(fn, "spec", None) is spec and hasattr(fn, "places"):  # a _Receive of this tap
+                reached.update(fn.places)
+            stack.extend(f for f, _ in fn.next_functions if f is not None and f not in seen)
+        new = received - reached - missed
+        missed |= new
+        roots = [projected[j] for j in sorted(new)]  # sent at the output instead: walked on from there
+    spec.unreached |= missed
+    return missed
+
+
+def _check_feedback_bytes(spec: list[tuple[Entry, int]], outs: Sequence[Tensor], projected: Sequence[Any]) -> None:
+    """Refuse, before drawing any, direct feedback whose weights would take more than the
+    rule allows (``max_bytes``), naming the largest."""
+    d = sum(t[0].numel() if t.dim() else 1 for t in outs)
+    sizes = []
+    for (entry, k), x in zip(spec, projected, strict=True):
+        if isinstance(x, Tensor) and x.requires_grad:
+            shape = entry.rule.feedback_shape(k, d, x.shape)
+            sizes.append((math.prod(shape) * x.element_size(), entry, k, shape))
+    limits = [entry.rule.max_bytes for entry, _ in spec if entry.rule.max_bytes is not None]
+    total = sum(size for size, *_ in sizes)
+    if limits and total > min(limits):
+        size, entry, k, shape = max(sizes, key=operator.itemgetter(0))
+        check_bytes(
+            total, min(limits),
+            f"direct feedback alignment at {len(sizes)} inputs (the largest: node "
+            f"{entry.call.name!r}, input {k}, shape {tuple(shape)}, {readable(size)})",
+        )
