@@ -37,7 +37,6 @@ __all__ = [
     "extract_tensor_metadata",
     "global_hooks",
     "has_hooks",
-    "in_backward",
     "global_module_hooks",
     "linear_parameters",
     "own_buffers",
@@ -131,12 +130,6 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "capture again; credit over a captured graph refuses global hooks",
         "a global hook registered after the capture is not seen by a reused capture, nor a "
         "global hook by a credit run",
-    ),
-    (
-        "torch._C._current_graph_task_id",
-        "brSF: a checkpoint's recompute of a forward (run inside the backward pass) takes the "
-        "magnitudes that forward drew, so router.feedback is the draw the step used (in_backward)",
-        "the recompute draws afresh: gradients unchanged, router.feedback reports the new draw",
     ),
     (
         "nn.Module._buffers",
@@ -467,13 +460,6 @@ def own_buffers(module: Any) -> list[torch.Tensor]:
         return [b for b in module._buffers.values() if b is not None]
     except AttributeError:  # a torch that keeps them elsewhere
         return list(module.buffers(recurse=False))
-
-
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward pass on this thread (a forward run
-    now is a checkpoint's recompute); False where this torch cannot say."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 def global_module_hooks() -> tuple[Any, ...]:

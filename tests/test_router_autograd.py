@@ -231,24 +231,6 @@ def test_checkpointing_needs_nothing_special(preset):
         torch.testing.assert_close(p.grad, plain[name], rtol=1e-12, atol=1e-15, msg=name)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_brsf_under_checkpointing_reports_the_draw_its_step_used(reentrant):
-    """The recomputed forward of a checkpoint is the same step: it draws no new magnitudes,
-    so ``router.feedback`` is the draw the step's gradients used, and routing again with it
-    gives them (route_credit given that feedback is the oracle)."""
-    from torch.utils.checkpoint import checkpoint
-
-    model = _mlp(5, 7, 6, 3)
-    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
-    G = fxnx.convert(model, x)
-    router = fxnx.CreditRouter(G, model, rule="brsf")
-    x_ = x.clone().requires_grad_(reentrant)  # a reentrant checkpoint needs an input that does
-    (checkpoint(router, x_, use_reentrant=reentrant) * e).sum().backward()
-    again = fxnx.route_credit(G, model, x, output_credit=e, rule="brsf", feedback=router.feedback)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, again.param_credit[name], rtol=1e-12, atol=1e-14, msg=name)
-
-
 def test_a_rule_run_on_its_nodes_own_graph_refuses_a_second_backward_and_create_graph():
     """A rule function runs on its node's own small graph, freed after one backward pass and
     not differentiable in the parameters: backward again (retain_graph=True) and create_graph

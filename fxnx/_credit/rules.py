@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from .._compat import in_backward, pytree
+from .._compat import pytree
 from .._errors import FxnxTypeError, FxnxValueError
 from . import feedback as fb
 from .nodecall import Credit, NodeCall
@@ -322,7 +322,6 @@ class SignSymmetry(_Drawn, Transport):
     # set on the bound copy by bind
     _seed: int
     _draws: int
-    _forward_drew: bool
     _pending: dict[str, Tensor] | None
     _magnitudes: Mapping[str, Tensor | float] | None
 
@@ -357,7 +356,6 @@ class SignSymmetry(_Drawn, Transport):
         bound = copy.copy(self)
         bound._seed = seed if self.seed is None else self.seed
         bound._draws = 0
-        bound._forward_drew = False  # the last draw was made by a forward pass
         bound._pending = None
         bound._magnitudes = None  # M per weight: a number (uSF) or a tensor like W
         if self.magnitude == "uniform":
@@ -384,19 +382,12 @@ class SignSymmetry(_Drawn, Transport):
         return {p: signed(magnitudes, p, W.detach()) for p, W in feedback_weights(call).items()}
 
     def magnitudes(self, call: NodeCall) -> Mapping[str, Tensor | float]:
-        """``M`` for each weight, for one backward pass: brSF draws afresh at each call, but
-        a checkpoint's recompute of a forward pass (run inside the backward pass) takes the
-        draw that forward made.
+        """``M`` for each weight, for one backward pass: brSF draws afresh at each call.
 
         The router makes ``sign(W)·M`` from them only in the backward pass, as each layer's
         backward needs it (so no ``B`` is kept from the forward pass to the backward pass).
         """
         if self.magnitude == "batch_random":
-            recompute = in_backward()  # a checkpoint's recompute of the forward that drew last
-            if recompute and self._forward_drew:
-                assert self._magnitudes is not None
-                return self._magnitudes
-            self._forward_drew = not recompute
             self._draws += 1
             if self._pending:
                 drawn: Mapping[str, Tensor] = self._pending
