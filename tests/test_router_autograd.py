@@ -231,6 +231,31 @@ def test_checkpointing_needs_nothing_special(preset):
         torch.testing.assert_close(p.grad, plain[name], rtol=1e-12, atol=1e-15, msg=name)
 
 
+def test_brsf_draws_afresh_at_every_step_however_the_step_runs():
+    """A plain step, steps under a reentrant checkpoint (whose forward runs inside the backward
+    pass) and steps under autocast (the rule run in the backward pass) each draw their own
+    magnitudes: the weights do not change here, so equal gradients would mean a draw reused."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _mlp(5, 7, 3)
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="brsf")
+    grads = []
+
+    def step(run):
+        model.zero_grad()
+        (run() * e).sum().backward()
+        grads.append(model[0].weight.grad.clone())
+
+    step(lambda: router(x))
+    for _ in range(2):
+        step(lambda: checkpoint(router, x.clone().requires_grad_(), use_reentrant=True))
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step(lambda: router(x).double())
+    assert all(not torch.equal(a, b) for i, a in enumerate(grads) for b in grads[i + 1:])
+
+
 def test_a_rule_run_on_its_nodes_own_graph_refuses_a_second_backward_and_create_graph():
     """A rule function runs on its node's own small graph, freed after one backward pass and
     not differentiable in the parameters: backward again (retain_graph=True) and create_graph
