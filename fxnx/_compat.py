@@ -138,9 +138,10 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "buffers(recurse=False), a generator per module",
     ),
     (
-        "nn.Module._parameters, with the hook tables above",
+        "nn.Module._parameters, nn.Module._compiled_call_impl, with the hook tables above",
         "a weight-transport node's nn.Linear is called as F.linear on its weight and bias, "
-        "without the module's frames, while nothing hooks it (linear_parameters)",
+        "without the module's frames, while nothing hooks, patches or compiles it "
+        "(linear_parameters)",
         "the module is called as it is (about 2 µs more per layer and call)",
     ),
     (
@@ -431,14 +432,15 @@ def global_hooks() -> tuple[bool, bool]:
 
 def linear_parameters(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """An ``nn.Linear``'s weight and bias where calling it would run ``F.linear`` on them
-    and nothing else (its class's own ``forward``, patched neither on the class nor on the
-    instance, and no hook of its own or for every module: what ``nn.Module.__call__``
-    checks before its fast path); None otherwise. The router calls such a layer's
+    and nothing else (torch's own ``forward``, patched neither on the class nor on the
+    instance, not compiled in place, and no hook of its own or for every module); None
+    otherwise. The router calls such a layer's
     ``F.linear`` itself, without the module's frames."""
     from torch.nn.modules import module as table
 
     try:
-        if (type(module).forward is not _LINEAR_FORWARD or "forward" in module.__dict__
+        if (_LINEAR_FORWARD is None or type(module).forward is not _LINEAR_FORWARD
+                or "forward" in module.__dict__ or getattr(module, "_compiled_call_impl", None) is not None
                 or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or table._global_forward_hooks
                 or table._global_forward_pre_hooks or table._global_backward_hooks
@@ -450,7 +452,17 @@ def linear_parameters(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] |
         return None
 
 
-_LINEAR_FORWARD = torch.nn.Linear.forward
+def _own_linear_forward() -> Any:
+    """``nn.Linear.forward`` where it is torch's own function (not one patched on the class
+    before fxnx was imported, which a later identity check would take for torch's); else
+    None, and every layer is called as a module."""
+    forward = torch.nn.Linear.forward
+    code = getattr(forward, "__code__", None)
+    source = getattr(torch.nn.modules.linear, "__file__", None)
+    return forward if code is not None and code.co_filename == source and code.co_name == "forward" else None
+
+
+_LINEAR_FORWARD = _own_linear_forward()
 
 
 def own_buffers(module: Any) -> list[torch.Tensor]:

@@ -683,3 +683,67 @@ def test_a_linear_layer_under_feedback_alignment_runs_what_calling_it_runs(how):
     finally:
         if handle is not None:
             handle.remove()
+
+
+def test_a_linear_forward_patched_before_fxnx_was_imported_or_compiled_is_called(monkeypatch):
+    """The fast call of a feedback-alignment nn.Linear is taken only for torch's own forward:
+    one patched on the class before fxnx was imported (so that fxnx's identity check would
+    see the patch as torch's) is called, as is a layer compiled in place. Oracle: model(x)."""
+    import functools
+
+    from fxnx import _compat
+
+    original = nn.Linear.forward
+
+    @functools.wraps(original)
+    def doubled(self, x):
+        return original(self, x) * 2
+
+    monkeypatch.setattr(nn.Linear, "forward", doubled)
+    assert _compat._own_linear_forward() is None
+    monkeypatch.setattr(_compat, "_LINEAR_FORWARD", _compat._own_linear_forward())  # imported now
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    assert torch.equal(router(x), model(x))
+    monkeypatch.undo()
+    lin = nn.Linear(3, 4)
+    assert _compat.linear_parameters(lin) is not None
+    lin.compile()  # sets the compiled call; nothing is compiled until it is called
+    assert _compat.linear_parameters(lin) is None
+
+
+def test_a_frozen_parameter_of_a_module_run_whole_is_not_a_weight_for_its_rule():
+    """A leaf module's frozen 2-D parameter (a fixed mask) is not replaced by feedback
+    weights when a rule given by name recomputes the module's credit with B: only its
+    trainable weight is. Oracle: FA by hand, credit_in = e @ (B_W * mask)."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2, 4, dtype=F64))
+            self.mask = nn.Parameter((torch.rand(2, 4) > 0.5).double(), requires_grad=False)
+
+        def forward(self, x):
+            return F.linear(x, self.weight * self.mask)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.mk = nn.Linear(3, 4).double(), Masked()
+
+        def forward(self, x):
+            return self.mk(torch.tanh(self.l1(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    x, e = torch.randn(5, 3, dtype=F64), torch.randn(5, 2, dtype=F64)
+    G = fxnx.convert(model, x, leaf_modules=[Masked])
+    B = torch.randn(2, 4, dtype=F64)
+    router = fxnx.CreditRouter(G, model, rules={"mk": fxnx.credit.FeedbackAlignment()}, feedback={"mk": {"weight": B}})
+    (router(x) * e).sum().backward()
+    h = torch.tanh(model.l1(x)).detach()
+    d = (e @ (B * model.mk.mask)) * (1 - h**2)
+    assert rel_error(model.l1.weight.grad, d.T @ x) <= 1e-12
+    assert model.mk.mask.grad is None

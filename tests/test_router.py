@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -191,8 +192,7 @@ class _Scaled(nn.Module):
 
 
 def test_misuse_of_inputs_edges_and_rules_says_what_to_do():
-    """A keyword input G was not converted with; a G whose edits leave no path from a layer
-    to the output; a rule that calls call.exact twice without keeping the graph: each says
+    """A keyword input G was not converted with; a G with every edge into the output removed; a rule that calls call.exact twice without keeping the graph: each says
     what was wrong and what to do, where torch's own errors (or a list of missing nodes)
     came before."""
     model = _Scaled().double()
@@ -209,9 +209,25 @@ def test_misuse_of_inputs_edges_and_rules_says_what_to_do():
     mlp = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     cut = fxnx.convert(mlp, x)
     cut.remove_edges_from(list(cut.in_edges("output", keys=True)))
-    with pytest.warns(UserWarning, match=r"no path of G's edges leads from a parameter to the output node 'output'"):
+    with pytest.warns(UserWarning, match=r"every edge into the output node 'output' was removed from G"):
         out = fxnx.CreditRouter(cut, mlp)(x)
     assert torch.equal(out, mlp(x)) and not out.requires_grad  # its value flows, no credit
+
+    class Written(nn.Module):  # credit reaches p through a write into a buffer: no warning
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(3, dtype=torch.float64))
+            self.register_buffer("buf", torch.zeros(3, dtype=torch.float64))
+
+        def forward(self, x):
+            self.buf.copy_(self.p * 2)
+            return x + self.buf
+
+    written = Written()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxnx.CreditRouter(fxnx.convert(written, x), written)(x).sum().backward()
+    assert torch.equal(written.p.grad, torch.full((3,), 8.0, dtype=torch.float64))
 
     def twice(call, credit, state):
         call.exact(credit)

@@ -99,8 +99,8 @@ class NodeCall:
     computed_weights: dict[int, str] = field(default_factory=dict)
 
     def own_parameters(self) -> list[Tensor]:
-        """The node's trainable parameters: its input occurrences that are one (a function
-        node's weight), then those its module owns."""
+        """The node's parameters: its input occurrences that are one, frozen or not (a function
+        node's weight), then the trainable ones its module owns."""
         return [p for _, p in self.param_inputs.values()] + list(self.params.values())
 
     def wants(self, i: int) -> bool:

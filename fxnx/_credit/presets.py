@@ -277,7 +277,7 @@ def check_named(call: NodeCall, rule: Any) -> None:
     Raises
     ------
     FxnxTypeError
-        The node has no trainable parameter of two or more dimensions among its
+        The node has no parameter of two or more dimensions (trainable, for a module's) among its
         arguments or its module's parameters.
     """
     if isinstance(rule, Transport) and not has_weights(call):
@@ -340,7 +340,7 @@ def _kind_of(call: NodeCall) -> str:
 
 
 #: A node of these kinds (:mod:`.kinds`) follows the feedback rule where one of its arguments
-#: is a trainable parameter of two or more dimensions, or a transpose of one (``W.T``); each
+#: is a parameter of two or more dimensions (frozen or not), or a view of one (``W.T``); each
 #: such parameter gets its own ``B``. It is routed exactly where none is (``q @ k.transpose(-2,
 #: -1)`` in attention).
 

@@ -620,16 +620,13 @@ class CreditRouter(nn.Module):
         return bound, rule_name(bound)
 
     def _warn_if_unused(self, plan: Plan) -> None:
-        output = plan.entries[-1].call.name
-        upstream = nx.ancestors(self.G, output) if output in self.G else set()
-        if plan.params and not any(
-            e.call.name in upstream and (e.call.params or e.param) for e in plan.entries
-        ):
+        last = plan.entries[-1]
+        if plan.params and last.call.sources and len(last.cut) == len(last.call.sources):
             warn_user(
-                f"no path of G's edges leads from a parameter to the output node {output!r} "
-                "(edges removed from G carry no credit), so no parameter gets credit from the "
-                "output: loss.backward() on it alone fails as on a detached tensor. Keep an "
-                "edge on a path from the layers to the output"
+                f"every edge into the output node {last.call.name!r} was removed from G, and an "
+                "edge removed carries no credit, so no parameter gets credit from the output: "
+                "loss.backward() on it alone fails as on a detached tensor. Keep an edge into "
+                "the output"
             )
         calls = [entry.call for entry in plan.entries]
         warn_unused_kinds(self._by_kind, calls, "rules")

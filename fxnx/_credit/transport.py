@@ -69,8 +69,8 @@ def no_weights(call: NodeCall) -> FxnxTypeError:
         kind = kind_name(("call_method", call.target) if call.op == "call_method" else call.target)
     return FxnxTypeError(
         f"node {call.name!r} ({kind}) has no weight to replace with feedback weights: no "
-        "trainable parameter of two or more dimensions is among its arguments or its module's "
-        "parameters; route it exactly, e.g. rules={" + repr(call.name) + ": fxnx.credit.Exact()}"
+        "parameter of two or more dimensions is among its arguments, nor a trainable one among "
+        "its module's parameters; route it exactly, e.g. rules={" + repr(call.name) + ": fxnx.credit.Exact()}"
     )
 
 
@@ -82,11 +82,12 @@ def has_weights(call: NodeCall) -> bool:
 
 
 def _other_weights(call: NodeCall) -> dict[str, Tensor]:
-    """A generic node's weights: the parameters of two or more dimensions of its module (by
-    local name), or among a function node's arguments (by qualified name); frozen ones too,
+    """A generic node's weights: the trainable parameters of two or more dimensions of its
+    module (by local name; a frozen one there may be a mask or a table, not a weight), or
+    the parameters among a function node's arguments (by qualified name), frozen ones too,
     as for ``nn.Linear``: a layer's backward reads its weight whether or not it trains."""
     if call.module is not None:
-        return {n: p for n, p in call.module.named_parameters() if p.dim() >= 2}
+        return {n: p for n, p in call.module.named_parameters() if p.requires_grad and p.dim() >= 2}
     return {name: p for name, p in call.param_inputs.values() if p.dim() >= 2}
 
 
