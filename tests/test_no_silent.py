@@ -747,3 +747,39 @@ def test_a_frozen_parameter_of_a_module_run_whole_is_not_a_weight_for_its_rule()
     d = (e @ (B * model.mk.mask)) * (1 - h**2)
     assert rel_error(model.l1.weight.grad, d.T @ x) <= 1e-12
     assert model.mk.mask.grad is None
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_weight_computed_from_a_frozen_parameter_is_refused_as_from_a_trainable_one(frozen):
+    """``F.linear(h, w2 / w2.norm())`` has no one parameter for ``B`` to stand in for: refused
+    by name under a feedback rule whether ``w2`` trains or not (frozen, it was routed as
+    backprop without a word)."""
+
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(4, 3, dtype=F64))
+            self.w2 = nn.Parameter(torch.randn(2, 4, dtype=F64))
+
+        def forward(self, x):
+            return F.linear(torch.tanh(F.linear(x, self.w1)), self.w2 / self.w2.norm())
+
+    model = Normed()
+    model.w2.requires_grad_(not frozen)
+    x = torch.randn(5, 3, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node 'linear_1' multiplies by a weight computed from parameters .*'w2'"):
+        router(x)
+
+
+def test_a_weight_replaced_after_a_feedback_router_was_built_says_to_build_a_new_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    router(x).sum().backward()
+    model[2].weight = nn.Parameter(torch.randn(2, 4, dtype=F64))
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node '_2': its weight was replaced .*build a new router"):
+        router(x)
+    fresh = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    assert torch.equal(fresh(x), model(x))

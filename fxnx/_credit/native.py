@@ -168,6 +168,16 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
             _HOOKS[1]()
     if spec.hits == hits and _needs_input_credit(args, kwargs, spec.call):
         call = spec.call
+        if call.module is not None:
+            now = dict(call.module.named_parameters())
+            replaced = [name for name, W in spec.weights.items() if now.get(name) is not W]
+            if replaced:
+                raise FxnxValueError(
+                    f"node {call.name!r}: its {', '.join(replaced)} was replaced by another tensor "
+                    "since the router was built, and the router's feedback weights stand in for "
+                    "the one it had: build a new router (fxnx.CreditRouter(G, model, ...)) after "
+                    "replacing parameters"
+                )
         raise FxnxValueError(
             f"node {call.name!r}: its backward did not read its weight where feedback weights "
             f"were to replace it, so {spec.entry.rule_name} cannot be applied natively; route it "

@@ -97,7 +97,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
                 weight_nodes[node.name] = param_names[id(value)]
                 if value.requires_grad:
                     entry.param = param_nodes[node.name] = param_names[id(value)]
-        origins[node.name] = origin(node, entry.param, origins)
+        origins[node.name] = origin(node, weight_nodes.get(node.name), origins)
         entries[node.name] = entry
     _check_nodes(G, entries)
     _check_writes(gm)

@@ -86,7 +86,7 @@ class Chain:
 
 
 def origin(node: fx.Node, param: str | None, origins: Mapping[str, tuple[str, ...] | None]) -> tuple[str, ...] | None:
-    """The trainable parameters ``node``'s value is computed from, where it is computed from
+    """The parameters (frozen ones too) ``node``'s value is computed from, where it is computed from
     parameters and constants alone (a weight, however made, a parametrization's module
     included); None where an input enters it. ``origins`` holds the nodes before it; ``param`` names the
     parameter a ``get_attr`` node reads."""
