@@ -434,10 +434,10 @@ def linear_parameters(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] |
     """An ``nn.Linear``'s weight and bias where calling it would run ``F.linear`` on them
     and nothing else (torch's own ``forward``, patched neither on the class nor on the
     instance, not compiled in place, and no hook of its own or for every module); None
-    otherwise. The router calls such a layer's
-    ``F.linear`` itself, without the module's frames."""
-    from torch.nn.modules import module as table
-
+    otherwise. The router calls such a layer's ``F.linear`` itself, without the module's
+    frames. (The hook tables are read here as :func:`has_hooks` and :func:`global_hooks`
+    read them, inline: this runs for every such layer at every call.)"""
+    table = _MODULE_TABLES
     try:
         if (_LINEAR_FORWARD is None or type(module).forward is not _LINEAR_FORWARD
                 or "forward" in module.__dict__ or getattr(module, "_compiled_call_impl", None) is not None
@@ -463,6 +463,8 @@ def _own_linear_forward() -> Any:
 
 
 _LINEAR_FORWARD = _own_linear_forward()
+#: Where torch keeps the hook tables for every module.
+_MODULE_TABLES = torch.nn.modules.module
 
 
 def own_buffers(module: Any) -> list[torch.Tensor]:

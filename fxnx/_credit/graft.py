@@ -56,8 +56,6 @@ from .taps import TapSpec, receive, tap_output
 
 __all__ = ["Graft", "graft"]
 
-_aten = torch.ops.aten
-
 
 
 @dataclasses.dataclass

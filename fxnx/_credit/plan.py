@@ -69,8 +69,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
     named = model.named_parameters() if isinstance(model, nn.Module) else ()
     param_names = {id(p): name for name, p in named}
     entries: dict[str, Entry] = {}
-    param_nodes: dict[str, str] = {}  # get_attr node name to the trainable parameter it reads
-    weight_nodes: dict[str, str] = {}  # ... to any parameter it reads: a frozen weight is one
+    weight_nodes: dict[str, str] = {}  # get_attr node name to the parameter it reads, frozen or not
     origins: dict[str, tuple[str, ...] | None] = {}  # see weight_inputs.origin
     for node in gm.graph.nodes:
         module = gm.get_submodule(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
@@ -96,7 +95,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
             if isinstance(value, nn.Parameter) and id(value) in param_names:
                 weight_nodes[node.name] = param_names[id(value)]
                 if value.requires_grad:
-                    entry.param = param_nodes[node.name] = param_names[id(value)]
+                    entry.param = param_names[id(value)]
         origins[node.name] = origin(node, weight_nodes.get(node.name), origins)
         entries[node.name] = entry
     _check_nodes(G, entries)
