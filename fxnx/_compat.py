@@ -179,6 +179,14 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "torch.autograd.graph.saved_tensors_hooks, the context manager (a little slower)",
     ),
     (
+        "torch._C._autograd._top_saved_tensors_default_hooks, "
+        "grad_fn._raw_saved_mat2 (AddmmBackward0, MmBackward0)",
+        "weight transport on an nn.Linear with a 2-D input: B packed into the one tensor its "
+        "backward saves from W, one hook call each way, where hooks around the whole call "
+        "take two (saved_linear_weight)",
+        "the hooks around the whole call, as for every other layer (a little slower)",
+    ),
+    (
         "torch._foreach_norm",
         "route_credit's credit norms: the norm of every node's credit in one call",
         "torch.linalg.vector_norm once per node (the same values)",
@@ -381,6 +389,20 @@ def saved_tensors_hooks_calls() -> tuple[Callable[..., Any], Callable[[], Any]] 
     push = getattr(autograd, "_push_saved_tensors_default_hooks", None)
     pop = getattr(autograd, "_pop_saved_tensors_default_hooks", None)
     return (push, pop) if callable(push) and callable(pop) else None
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks of the caller's are active (a non-reentrant checkpoint's,
+    which pack every tensor saved under them); True where this torch cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def saved_linear_weight(out: torch.Tensor) -> Any:
+    """The saved-tensor handle (``register_hooks(pack, unpack)``) of ``W.T``, which
+    ``out = F.linear(x, W, b)`` on a 2-D ``x`` that requires grad saves for the input's
+    credit (``addmm``'s or ``mm``'s ``mat2``); None where this torch keeps it elsewhere."""
+    return getattr(out.grad_fn, "_raw_saved_mat2", None)
 
 
 def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -396,3 +396,46 @@ def test_ddp_gives_each_rank_the_mean_of_the_ranks_routed_credit(preset, tmp_pat
         assert got["checked"] > 0
         assert got["max_rel_error"] <= 1e-12, got
         assert got["differs_from_own"], "the all-reduce must change each rank's own credit"
+
+
+class _WritesAfter(nn.Module):
+    """Writes in place into its layer's input after the layer has run (and saved it)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        h = x * 2
+        y = self.layer(h)
+        h.add_(1)
+        return y
+
+
+_LAYERS = {  # a layer and an input for it
+    "linear": (lambda: nn.Linear(5, 6), (4, 5)),
+    "linear_3d": (lambda: nn.Linear(5, 6), (2, 3, 5)),
+    "conv": (lambda: nn.Conv1d(2, 3, 3), (4, 2, 5)),
+}
+
+
+@pytest.mark.parametrize("rule", ["feedback_alignment", "usf", "kolen_pollack", "direct_feedback_alignment"])
+@pytest.mark.parametrize("layer", list(_LAYERS))
+@pytest.mark.parametrize("where", ["after_the_forward", "inside_the_forward"])
+def test_a_saved_input_written_in_place_is_refused_as_autograd_refuses_it(rule, layer, where):
+    """Autograd refuses a backward that would read a tensor written since it was saved. A
+    weight-transport layer under hooks saves its input through them, which skips autograd's
+    check: the layer's weight credit was then computed from the written input, silently."""
+    torch.manual_seed(0)
+    make, shape = _LAYERS[layer]
+    model = (make() if where == "after_the_forward" else _WritesAfter(make())).double()
+    leaf = torch.randn(*shape, dtype=f64, requires_grad=True)
+    router = fxnx.CreditRouter(fxnx.convert(model, leaf.detach()), model, rule=rule, seed=0)
+    router(leaf.clone())  # a first call, which draws the feedback
+    for run in (model, router):
+        x = leaf.clone()
+        out = run(x)
+        if where == "after_the_forward":
+            x.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()

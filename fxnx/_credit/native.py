@@ -6,9 +6,12 @@ while it runs every tensor that the layer's backward saves from a weight ``W``
 is swapped for the same view of the feedback weight ``B`` (a
 ``saved_tensors_hooks`` pair). Autograd's own backward then sends ``credit·B``
 to the input and the exact credit to ``W`` and the bias (dropout inside the
-layer replays its own mask). Fixed ``B`` costs no Python in the backward pass;
-sign symmetry's ``sign(W)·M`` is made there, one layer at a time, and dropped
-after it. Under autocast, where the layer would save a cast copy of ``W``, the
+layer replays its own mask). The other tensors the layer saves are kept as they
+are, and checked for writes in place when unpacked, as autograd checks what it
+saves. An ``nn.Linear`` on a 2-D input has its hooks on the one tensor its
+backward saves from ``W`` instead (one hook call in each pass, not two).
+Sign symmetry's ``sign(W)·M`` is made in the backward pass, one layer at a time,
+and dropped after it. Under autocast, where the layer would save a cast copy of ``W``, the
 node runs through its rule instead (:mod:`.ruled`).
 """
 
@@ -21,7 +24,14 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from .._compat import linear_parameters, pytree, saved_tensors_hooks_calls, version
+from .._compat import (
+    linear_parameters,
+    pytree,
+    saved_linear_weight,
+    saved_tensors_hooked,
+    saved_tensors_hooks_calls,
+    version,
+)
 from .._errors import FxnxValueError
 from .nodecall import NodeCall
 from .plan import Entry
@@ -36,7 +46,8 @@ class NativeSpec:
     of a weight ``W`` that the layer saves for the same view of ``B``.
 
     Fixed feedback (feedback alignment, Kolen–Pollack, weight mirrors) is swapped in as it
-    is, each view made once; the unpack function is ``operator.itemgetter(0)``, in C.
+    is, each view made once (unpacked by ``operator.itemgetter(0)``, in C, where only the
+    weight is packed).
     Sign symmetry's ``B = sign(W)·M`` is made in the backward pass, when the layer's backward
     unpacks it, and dropped once the layer's backward is done (:class:`_SignOf`): no copy of
     the weights lives from the forward pass to the backward pass.
@@ -57,8 +68,10 @@ class NativeSpec:
         self.spans: list[tuple[int, int, Tensor, Any, Any, int | None]] = []
         self.views: dict[tuple[Any, ...], Tensor] = {}
         self.hits = 0
-        self.unpack = _unpack if self.signs else _FIRST
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        #: the unpack function for what pack returns: a weight's B in C, for the fast path
+        #: of nn.Linear (:func:`_linear`), which packs only the weight
+        self.unpack_weight = _unpack if self.signs else _FIRST
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
     def use(self) -> None:
         """Take this call's feedback: ``B`` for each weight (laid out like ``W``), or for sign
@@ -90,6 +103,9 @@ class NativeSpec:
         self.spans = spans
 
     def pack(self, t: Tensor) -> Any:
+        """A view of a weight as the same view of ``B`` (or, for sign symmetry, what makes
+        it); any other tensor as it is, with its write counter, which the unpack function
+        checks as autograd checks what it saves (hooks take that check over)."""
         ptr = t.data_ptr()
         for start, end, W, B, _, _ in self.spans:
             if start <= ptr < end and t.dtype == W.dtype:
@@ -102,7 +118,7 @@ class NativeSpec:
                     offset = t.storage_offset() - W.storage_offset() + B.storage_offset()
                     view = self.views[key] = B.as_strided(t.size(), t.stride(), offset)
                 return (view,)
-        return (t,)
+        return (t, version(t), self.call.name)
 
 
 def _current(span: tuple[int, int, Tensor, Any, Any, int | None], given: Any) -> bool:
@@ -145,7 +161,19 @@ class _SignOf:
 
 
 def _unpack(packed: Any) -> Tensor:
-    return packed[0] if type(packed) is tuple else packed.unpack()
+    if type(packed) is not tuple:
+        return packed.unpack()  # _SignOf
+    if len(packed) == 1:
+        return packed[0]  # B
+    t, saved, node = packed
+    if version(t) != saved:  # autograd's own words, and the node
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a tensor of shape {list(t.shape)} that node {node!r} saved "
+            f"is at version {version(t)}; expected version {saved} instead. Write it out of "
+            "place (x = x + 1, not x.add_(1)) or call backward before changing it"
+        )
+    return t
 
 
 def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
@@ -156,12 +184,16 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
         entry = spec.entry
         return function_call(FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
     spec.use()
+    if spec.linear is not None:
+        out = _linear(spec, args, kwargs)
+        if out is not None:
+            return out
     hits = spec.hits
     if _HOOKS is None:
         with spec.hooks:
             out = _run(spec, args, kwargs)
     else:  # the same as the context manager, without its frames: once per layer and forward
-        _HOOKS[0](spec.pack, spec.unpack)
+        _HOOKS[0](spec.pack, _unpack)
         try:
             out = _run(spec, args, kwargs)
         finally:
@@ -184,6 +216,28 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
             f"with rules={{{call.name!r}: fxnx.credit.Exact()}} or report this model"
         )
     return out
+
+
+def _linear(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An ``nn.Linear`` that nothing hooks, on a 2-D input that requires grad, where no
+    saved-tensor hooks of the caller's are active: ``F.linear``, then ``B`` packed into the
+    one tensor its backward saves from ``W`` (``W.T``, for the input's credit). That is one
+    hook call in each pass where hooks around the whole call take two (the input is saved
+    as autograd saves it). None where any of that does not hold, or ``W`` was not what it
+    saved (a replaced weight): the call runs again under hooks, where that is named."""
+    x = args[0] if len(args) == 1 and not kwargs else None
+    if type(x) is not Tensor or x.dim() != 2 or not x.requires_grad or saved_tensors_hooked():
+        return None
+    params = linear_parameters(spec.linear)
+    if params is None:
+        return None
+    out = torch.nn.functional.linear(x, *params)
+    saved = saved_linear_weight(out)
+    if saved is None:
+        return None
+    hits = spec.hits
+    saved.register_hooks(spec.pack, spec.unpack_weight)
+    return out if spec.hits != hits else None
 
 
 def _run(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
