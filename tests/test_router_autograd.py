@@ -439,3 +439,27 @@ def test_a_saved_input_written_in_place_is_refused_as_autograd_refuses_it(rule, 
             x.add_(1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+
+
+@pytest.mark.parametrize("layer", list(_LAYERS))
+def test_feedback_written_in_place_between_forward_and_backward_is_refused(layer):
+    """The backward pass reads B as its forward pass used it, as autograd reads what a layer
+    saved: a Kolen–Pollack update (or a write into router.feedback) in between is refused,
+    where it silently routed the credit through the updated B."""
+    torch.manual_seed(0)
+    make, shape = _LAYERS[layer]
+    model = nn.Sequential(make(), nn.Tanh()).double()
+    x = torch.randn(*shape, dtype=f64, requires_grad=True)
+    router = fxnx.CreditRouter(fxnx.convert(model, x.detach()), model, rule="kolen_pollack", seed=0)
+    router(x).sum().backward()
+    router.update_feedback(lr=0.1, weight_decay=0.1)  # in order: accepted
+    out = router(x)
+    router.update_feedback(lr=0.1, weight_decay=0.1)
+    with pytest.raises(RuntimeError, match="feedback weights B were modified"):
+        out.sum().backward()
+    out = router(x)
+    (B,) = router.feedback.values()
+    with torch.no_grad():
+        B.mul_(2)
+    with pytest.raises(RuntimeError, match="feedback weights B were modified"):
+        out.sum().backward()

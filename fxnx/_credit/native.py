@@ -7,8 +7,8 @@ is swapped for the same view of the feedback weight ``B`` (a
 ``saved_tensors_hooks`` pair). Autograd's own backward then sends ``credit·B``
 to the input and the exact credit to ``W`` and the bias (dropout inside the
 layer replays its own mask). The other tensors the layer saves are kept as they
-are, and checked for writes in place when unpacked, as autograd checks what it
-saves. An ``nn.Linear`` on a 2-D input has its hooks on the one tensor its
+are; each saved tensor, ``B`` included, is checked for writes in place when
+unpacked, as autograd checks what it saves. An ``nn.Linear`` on a 2-D input has its hooks on the one tensor its
 backward saves from ``W`` instead (one hook call in each pass, not two).
 Sign symmetry's ``sign(W)·M`` is made in the backward pass, one layer at a time,
 and dropped after it. Under autocast, where the layer would save a cast copy of ``W``, the
@@ -17,7 +17,6 @@ node runs through its rule instead (:mod:`.ruled`).
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -46,8 +45,7 @@ class NativeSpec:
     of a weight ``W`` that the layer saves for the same view of ``B``.
 
     Fixed feedback (feedback alignment, Kolen–Pollack, weight mirrors) is swapped in as it
-    is, each view made once (unpacked by ``operator.itemgetter(0)``, in C, where only the
-    weight is packed).
+    is, each view made once.
     Sign symmetry's ``B = sign(W)·M`` is made in the backward pass, when the layer's backward
     unpacks it, and dropped once the layer's backward is done (:class:`_SignOf`): no copy of
     the weights lives from the forward pass to the backward pass.
@@ -68,9 +66,6 @@ class NativeSpec:
         self.spans: list[tuple[int, int, Tensor, Any, Any, int | None]] = []
         self.views: dict[tuple[Any, ...], Tensor] = {}
         self.hits = 0
-        #: the unpack function for what pack returns: a weight's B in C, for the fast path
-        #: of nn.Linear (:func:`_linear`), which packs only the weight
-        self.unpack_weight = _unpack if self.signs else _FIRST
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
     def use(self) -> None:
@@ -104,8 +99,9 @@ class NativeSpec:
 
     def pack(self, t: Tensor) -> Any:
         """A view of a weight as the same view of ``B`` (or, for sign symmetry, what makes
-        it); any other tensor as it is, with its write counter, which the unpack function
-        checks as autograd checks what it saves (hooks take that check over)."""
+        it); any other tensor as it is. Each with the write counter of what it reads, which
+        :func:`_unpack` checks as autograd checks what it saves (hooks take that check over):
+        the layer's backward reads its inputs and ``B`` as the forward pass left them."""
         ptr = t.data_ptr()
         for start, end, W, B, _, _ in self.spans:
             if start <= ptr < end and t.dtype == W.dtype:
@@ -117,8 +113,8 @@ class NativeSpec:
                 if view is None:
                     offset = t.storage_offset() - W.storage_offset() + B.storage_offset()
                     view = self.views[key] = B.as_strided(t.size(), t.stride(), offset)
-                return (view,)
-        return (t, version(t), self.call.name)
+                return (view, B, version(B), self.call.name)
+        return (t, t, version(t), self.call.name)
 
 
 def _current(span: tuple[int, int, Tensor, Any, Any, int | None], given: Any) -> bool:
@@ -129,7 +125,6 @@ def _current(span: tuple[int, int, Tensor, Any, Any, int | None], given: Any) ->
     return held is given and W.data_ptr() == start and (stamp is None or stamp == version(given))
 
 
-_FIRST = operator.itemgetter(0)
 _HOOKS = saved_tensors_hooks_calls()
 
 
@@ -163,15 +158,19 @@ class _SignOf:
 def _unpack(packed: Any) -> Tensor:
     if type(packed) is not tuple:
         return packed.unpack()  # _SignOf
-    if len(packed) == 1:
-        return packed[0]  # B
-    t, saved, node = packed
-    if version(t) != saved:  # autograd's own words, and the node
+    t, read, saved, node = packed
+    if version(read) != saved:
+        if read is t:  # autograd's own words, and the node
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a tensor of shape {list(t.shape)} that node {node!r} "
+                f"saved is at version {version(t)}; expected version {saved} instead. Write it "
+                "out of place (x = x + 1, not x.add_(1)) or call backward before changing it"
+            )
         raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: a tensor of shape {list(t.shape)} that node {node!r} saved "
-            f"is at version {version(t)}; expected version {saved} instead. Write it out of "
-            "place (x = x + 1, not x.add_(1)) or call backward before changing it"
+            f"node {node!r}: its feedback weights B were modified by an inplace operation "
+            "(update_feedback, or a write into router.feedback) between the forward pass and "
+            "its backward pass, which reads B as the forward pass used it: call backward first"
         )
     return t
 
@@ -236,7 +235,7 @@ def _linear(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if saved is None:
         return None
     hits = spec.hits
-    saved.register_hooks(spec.pack, spec.unpack_weight)
+    saved.register_hooks(spec.pack, _unpack)
     return out if spec.hits != hits else None
 
 
