@@ -463,3 +463,36 @@ def test_feedback_written_in_place_between_forward_and_backward_is_refused(layer
         B.mul_(2)
     with pytest.raises(RuntimeError, match="feedback weights B were modified"):
         out.sum().backward()
+
+
+class _ByHand(fxnx.credit.Rule):
+    """Feedback through W itself, written out from the layer's input: a rule that reads
+    call.inputs and the parameters, not the node's small graph."""
+
+    name = "by_hand"
+
+    def __call__(self, call, credit, state):
+        (x,), W = call.inputs, call.module.weight
+        return [credit @ W], {"0.weight": credit.t() @ x, "0.bias": credit.sum(0)}
+
+
+@pytest.mark.parametrize("written", ["input", "weight"])
+def test_a_rule_reads_what_the_forward_pass_left_or_refuses(written):
+    """A rule run in the backward pass reads its node's inputs and parameters: one written in
+    place since the forward pass (the input, or the weight by an optimizer step) is refused,
+    as autograd refuses it; the rule was given the written values, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    leaf = torch.randn(4, 5, dtype=f64, requires_grad=True)
+    router = fxnx.CreditRouter(fxnx.convert(model, leaf.detach()), model, rule="exact", rules={"_0": _ByHand()})
+    want = copy.deepcopy(model)
+    router(leaf.clone()).sum().backward()  # the rule is right as it stands: autograd's credit
+    want(leaf.clone()).sum().backward()
+    torch.testing.assert_close(model[0].weight.grad, want[0].weight.grad, rtol=1e-12, atol=0)
+    for run in (model, router):
+        x = leaf.clone()
+        out = run(x)
+        with torch.no_grad():
+            (x if written == "input" else model[0].weight).add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()

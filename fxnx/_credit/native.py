@@ -34,7 +34,7 @@ from .._compat import (
 from .._errors import FxnxValueError
 from .nodecall import NodeCall
 from .plan import Entry
-from .ruled import FunctionSpec, function_call
+from .ruled import FunctionSpec, function_call, written_since
 from .rules import RoutingState, SignSymmetry, signed
 from .transport import feedback_weights
 
@@ -160,13 +160,8 @@ def _unpack(packed: Any) -> Tensor:
         return packed.unpack()  # _SignOf
     t, read, saved, node = packed
     if version(read) != saved:
-        if read is t:  # autograd's own words, and the node
-            raise RuntimeError(
-                f"one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: a tensor of shape {list(t.shape)} that node {node!r} "
-                f"saved is at version {version(t)}; expected version {saved} instead. Write it "
-                "out of place (x = x + 1, not x.add_(1)) or call backward before changing it"
-            )
+        if read is t:
+            raise RuntimeError(written_since(t, saved, node))
         raise RuntimeError(
             f"node {node!r}: its feedback weights B were modified by an inplace operation "
             "(update_feedback, or a write into router.feedback) between the forward pass and "

@@ -4,7 +4,9 @@ A user's rule, attention, a layer without a transport of its own, anything under
 autocast: its node runs inside an :class:`autograd.Function <torch.autograd.Function>`
 (:class:`_RuleNode`) whose backward calls the rule with the node's
 :class:`~fxnx._credit.nodecall.NodeCall`, and checks what it returns against the
-node's inputs and parameters (:func:`checked`).
+node's inputs and parameters (:func:`checked`). The rule reads the node's inputs
+and parameters as the forward pass left them: one written in place in between is
+refused, as autograd refuses a saved tensor written since it was saved.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from .._compat import pytree
+from .._compat import pytree, version
 from .._errors import FxnxTypeError, FxnxValueError
 from .nodecall import Credit, NodeCall, fresh_leaf, run_node
 from .plan import Entry
@@ -72,6 +74,8 @@ class _RuleNode(torch.autograd.Function):
             if not (t.requires_grad and (t.is_floating_point() or t.is_complex()))
         ))
         ctx.tree = tree
+        ctx.read = flat  # the inputs' tensors and the parameters: what the rule may read
+        ctx.versions = [version(t) for t in ctx.read]
         holder.extend((leaves_out, tree))
         return tuple(tensors)
 
@@ -79,6 +83,9 @@ class _RuleNode(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         spec, call = ctx.spec, ctx.call
         _check_once(spec, call)
+        for t, saved in zip(ctx.read, ctx.versions, strict=True):
+            if version(t) != saved:
+                raise RuntimeError(written_since(t, saved, call.name))
         feed = iter(grads)
         leaves_out = pytree.tree_flatten(call.output)[0]
         credit = pytree.tree_unflatten(
@@ -99,6 +106,16 @@ class _RuleNode(torch.autograd.Function):
         out.extend(params.get(name) for name, _ in spec.params)
         ctx.call = None  # free the node's graph once routed
         return tuple(out)
+
+
+def written_since(t: Tensor, saved: int, node: str) -> str:
+    """Autograd's words for a saved tensor written in place since, with the node's name."""
+    return (
+        f"one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: a tensor of shape {list(t.shape)} that node {node!r} saved is at "
+        f"version {version(t)}; expected version {saved} instead. Write it out of place "
+        "(x = x + 1, not x.add_(1)) or call backward before changing it"
+    )
 
 
 def _check_once(spec: FunctionSpec, call: NodeCall | None) -> None:
