@@ -180,6 +180,7 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "torch._C._autograd._top_saved_tensors_default_hooks, "
+        "torch._C._autograd._saved_tensors_hooks_is_enabled, "
         "grad_fn._raw_saved_mat2 (AddmmBackward0, MmBackward0)",
         "weight transport on an nn.Linear with a 2-D input: B packed into the one tensor its "
         "backward saves from W, one hook call each way, where hooks around the whole call "
@@ -393,9 +394,12 @@ def saved_tensors_hooks_calls() -> tuple[Callable[..., Any], Callable[[], Any]] 
 
 def saved_tensors_hooked() -> bool:
     """Whether saved-tensor hooks of the caller's are active (a non-reentrant checkpoint's,
-    which pack every tensor saved under them); True where this torch cannot tell."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
+    which pack every tensor saved under them), or hooks are disabled (inside ``torch.func``
+    transforms, whose own error then says so); True where this torch cannot tell."""
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
+    return top is None or enabled is None or not enabled() or top(False) is not None
 
 
 def saved_linear_weight(out: torch.Tensor) -> Any:

@@ -496,3 +496,14 @@ def test_a_rule_reads_what_the_forward_pass_left_or_refuses(written):
             (x if written == "input" else model[0].weight).add_(1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+
+
+def test_torch_func_transforms_are_refused_not_routed_exactly():
+    """torch.func's grad runs its own autograd, without saved-tensor hooks: a weight-transport
+    router under it raises (torch's words) rather than give backprop's credit."""
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    router(x).sum().backward()
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+        torch.func.grad(lambda xx: router(xx).sum())(x.clone())
