@@ -441,23 +441,30 @@ def test_a_saved_input_written_in_place_is_refused_as_autograd_refuses_it(rule, 
             out.sum().backward()
 
 
-@pytest.mark.parametrize("layer", list(_LAYERS))
+@pytest.mark.parametrize("layer", [*_LAYERS, "linear_under_autocast"])
 def test_feedback_written_in_place_between_forward_and_backward_is_refused(layer):
     """The backward pass reads B as its forward pass used it, as autograd reads what a layer
     saved: a Kolen–Pollack update (or a write into router.feedback) in between is refused,
-    where it silently routed the credit through the updated B."""
+    where it silently routed the credit through the updated B (natively, and under autocast,
+    where the rule runs in the backward pass)."""
     torch.manual_seed(0)
-    make, shape = _LAYERS[layer]
-    model = nn.Sequential(make(), nn.Tanh()).double()
-    x = torch.randn(*shape, dtype=f64, requires_grad=True)
+    autocast = layer.endswith("_under_autocast")
+    make, shape = _LAYERS[layer.removesuffix("_under_autocast")]
+    model = nn.Sequential(make(), nn.Tanh()).to(torch.float32 if autocast else f64)
+    x = torch.randn(*shape, dtype=next(model.parameters()).dtype, requires_grad=True)
     router = fxnx.CreditRouter(fxnx.convert(model, x.detach()), model, rule="kolen_pollack", seed=0)
-    router(x).sum().backward()
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return router(x).float()
+
+    forward().sum().backward()
     router.update_feedback(lr=0.1, weight_decay=0.1)  # in order: accepted
-    out = router(x)
+    out = forward()
     router.update_feedback(lr=0.1, weight_decay=0.1)
     with pytest.raises(RuntimeError, match="feedback weights B were modified"):
         out.sum().backward()
-    out = router(x)
+    out = forward()
     (B,) = router.feedback.values()
     with torch.no_grad():
         B.mul_(2)

@@ -34,7 +34,7 @@ from .._compat import (
 from .._errors import FxnxValueError
 from .nodecall import NodeCall
 from .plan import Entry
-from .ruled import FunctionSpec, function_call, written_since
+from .ruled import FunctionSpec, feedback_written, function_call, written_since
 from .rules import RoutingState, SignSymmetry, signed
 from .transport import feedback_weights
 
@@ -162,11 +162,7 @@ def _unpack(packed: Any) -> Tensor:
     if version(read) != saved:
         if read is t:
             raise RuntimeError(written_since(t, saved, node))
-        raise RuntimeError(
-            f"node {node!r}: its feedback weights B were modified by an inplace operation "
-            "(update_feedback, or a write into router.feedback) between the forward pass and "
-            "its backward pass, which reads B as the forward pass used it: call backward first"
-        )
+        raise RuntimeError(feedback_written(node))
     return t
 
 

@@ -74,7 +74,13 @@ class _RuleNode(torch.autograd.Function):
             if not (t.requires_grad and (t.is_floating_point() or t.is_complex()))
         ))
         ctx.tree = tree
-        ctx.read = flat  # the inputs' tensors and the parameters: what the rule may read
+        # What the rule may read: the inputs' tensors and the parameters, then the feedback
+        # weights it holds (Kolen–Pollack's B, updated in place by update_feedback)
+        rule = spec.entry.rule
+        held = [] if getattr(rule, "stateful", False) else [  # a rule may be a function
+            t for t in pytree.tree_leaves(getattr(rule, "feedback", None)) if isinstance(t, Tensor)
+        ]
+        ctx.read, ctx.inputs = (*flat, *held), len(flat)
         ctx.versions = [version(t) for t in ctx.read]
         holder.extend((leaves_out, tree))
         return tuple(tensors)
@@ -83,9 +89,11 @@ class _RuleNode(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         spec, call = ctx.spec, ctx.call
         _check_once(spec, call)
-        for t, saved in zip(ctx.read, ctx.versions, strict=True):
+        for i, (t, saved) in enumerate(zip(ctx.read, ctx.versions, strict=True)):
             if version(t) != saved:
-                raise RuntimeError(written_since(t, saved, call.name))
+                raise RuntimeError(
+                    written_since(t, saved, call.name) if i < ctx.inputs else feedback_written(call.name)
+                )
         feed = iter(grads)
         leaves_out = pytree.tree_flatten(call.output)[0]
         credit = pytree.tree_unflatten(
@@ -115,6 +123,15 @@ def written_since(t: Tensor, saved: int, node: str) -> str:
         f"inplace operation: a tensor of shape {list(t.shape)} that node {node!r} saved is at "
         f"version {version(t)}; expected version {saved} instead. Write it out of place "
         "(x = x + 1, not x.add_(1)) or call backward before changing it"
+    )
+
+
+def feedback_written(node: str) -> str:
+    """The same, for a node's feedback weights."""
+    return (
+        f"node {node!r}: its feedback weights B were modified by an inplace operation "
+        "(update_feedback, or a write into router.feedback) between the forward pass and its "
+        "backward pass, which reads B as the forward pass used it: call backward first"
     )
 
 
