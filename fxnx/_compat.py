@@ -392,14 +392,29 @@ def saved_tensors_hooks_calls() -> tuple[Callable[..., Any], Callable[[], Any]] 
     return (push, pop) if callable(push) and callable(pop) else None
 
 
-def saved_tensors_hooked() -> bool:
-    """Whether saved-tensor hooks of the caller's are active (a non-reentrant checkpoint's,
-    which pack every tensor saved under them), or hooks are disabled (inside ``torch.func``
-    transforms, whose own error then says so); True where this torch cannot tell."""
+def saved_tensors_hooks_busy() -> bool:
+    """Whether a tensor saved now would not be saved as it is: saved-tensor hooks of the
+    caller's are active (a non-reentrant checkpoint's, which pack every tensor saved under
+    them) or hooks are disabled (inside ``torch.func`` transforms, whose own error then says
+    so); True where this torch cannot tell."""
     autograd = torch._C._autograd
     top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
     enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
-    return top is None or enabled is None or not enabled() or top(False) is not None
+    try:
+        return top is None or enabled is None or not enabled() or top(False) is not None
+    except TypeError:  # another signature
+        return True
+
+
+def _linear_saves_weight() -> bool:
+    """Whether this torch's ``F.linear`` on a 2-D input exposes the ``W.T`` it saves."""
+    x = torch.zeros(1, 1, requires_grad=True)
+    with torch.enable_grad():
+        return getattr(torch.nn.functional.linear(x, torch.zeros(1, 1)).grad_fn, "_raw_saved_mat2", None) is not None
+
+
+#: Whether :func:`saved_linear_weight` can find ``W.T`` on this torch (checked once).
+LINEAR_SAVES_WEIGHT = _linear_saves_weight()
 
 
 def saved_linear_weight(out: torch.Tensor) -> Any:

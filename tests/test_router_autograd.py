@@ -260,7 +260,8 @@ def test_a_rule_run_on_its_nodes_own_graph_refuses_a_second_backward_and_create_
     """A rule function runs on its node's own small graph, freed after one backward pass and
     not differentiable in the parameters: backward again (retain_graph=True) and create_graph
     are each one error naming the node, where they failed inside fxnx (AttributeError) or
-    gave first-order credit a gradient penalty silently missed."""
+    gave first-order credit a gradient penalty silently missed. (Natively routed layers refuse
+    create_graph too: test_create_graph_through_feedback_weights_is_refused.)"""
     model = _mlp(5, 7, 3)
     x = torch.randn(4, 5, dtype=f64)
     def halve(call, credit, state):
@@ -276,9 +277,9 @@ def test_a_rule_run_on_its_nodes_own_graph_refuses_a_second_backward_and_create_
     with pytest.raises(fxnx.errors.FxnxValueError, match="create_graph=True .* node '_2'"):
         torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
     plain = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
-    loss = plain(x).pow(2).sum()  # layers routed natively: both work as autograd's own
+    loss = plain(x).pow(2).sum()  # layers routed natively: a second backward as autograd's own
     (first,) = torch.autograd.grad(loss, [model[0].weight], retain_graph=True)
-    (again,) = torch.autograd.grad(loss, [model[0].weight], create_graph=True)
+    (again,) = torch.autograd.grad(loss, [model[0].weight], retain_graph=True)
     assert torch.equal(first, again)
 
 
@@ -514,3 +515,88 @@ def test_torch_func_transforms_are_refused_not_routed_exactly():
     router(x).sum().backward()
     with pytest.raises(RuntimeError, match="saved tensor hooks"):
         torch.func.grad(lambda xx: router(xx).sum())(x.clone())
+
+
+@pytest.mark.parametrize("rule", ["feedback_alignment", "usf", "kolen_pollack"])
+@pytest.mark.parametrize("layer", list(_LAYERS))
+def test_create_graph_through_feedback_weights_is_refused(rule, layer):
+    """A backward pass that records its own graph would differentiate B as the W it stands in
+    for (the input's credit credit·B has no W in it, yet W got second-order credit): refused by
+    name, as a rule run on its node's own graph refuses it. Exact routing keeps autograd's."""
+    torch.manual_seed(0)
+    make, shape = _LAYERS[layer]
+    model = make().double()
+    x = torch.randn(*shape, dtype=f64, requires_grad=True)
+    G = fxnx.convert(model, x.detach())
+    (gx,) = torch.autograd.grad(fxnx.CreditRouter(G, model, rule="exact")(x).pow(2).sum(), x, create_graph=True)
+    want = copy.deepcopy(model)
+    (wx,) = torch.autograd.grad(want(x).pow(2).sum(), x, create_graph=True)
+    torch.testing.assert_close(gx, wx, rtol=0, atol=0)
+    gx.pow(2).sum().backward()
+    wx.pow(2).sum().backward()
+    torch.testing.assert_close(model.weight.grad, want.weight.grad, rtol=1e-12, atol=0)
+    router = fxnx.CreditRouter(G, model, rule=rule, seed=0)
+    with pytest.raises(fxnx.errors.FxnxValueError, match="create_graph=True through node"):
+        torch.autograd.grad(router(x).pow(2).sum(), x, create_graph=True)
+
+
+class _Product(nn.Module):
+    """A product of two weights (a low-rank factor), read as a scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.A, self.Bm = nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x):
+        return x * torch.mm(self.A, self.Bm).sum()
+
+
+class _Queries(nn.Module):
+    """Learned queries through a linear map, as in Perceiver and DETR."""
+
+    def __init__(self):
+        super().__init__()
+        self.queries, self.W = nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return x + F.linear(self.queries, self.W)
+
+
+@pytest.mark.parametrize("rule", ["feedback_alignment", "usf", "kolen_pollack"])
+@pytest.mark.parametrize("make", [_Product, _Queries])
+def test_a_product_of_two_weights_gives_each_its_exact_credit(rule, make):
+    """Each weight of such a product is saved for the other's credit: B stood in for both,
+    and each weight's credit came from the other's B (0.8 to 2.7 off)."""
+    torch.manual_seed(0)
+    model = make().double()
+    x = torch.randn(5, 3, dtype=f64)
+    want = copy.deepcopy(model)
+    want(x).pow(2).sum().backward()
+    fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, seed=0)(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0, msg=name)
+
+
+class _OnItsWeight(nn.Module):
+    def __init__(self, unsqueeze):
+        super().__init__()
+        self.fc, self.unsqueeze = nn.Linear(3, 3), unsqueeze
+
+    def forward(self, x):
+        w = self.fc.weight
+        return (self.fc(w.unsqueeze(0)).squeeze(0) if self.unsqueeze else self.fc(w)) * x
+
+
+@pytest.mark.parametrize("unsqueeze", [False, True])
+def test_a_layer_applied_to_its_own_weight_gets_w_credit_from_w(unsqueeze):
+    """fc(fc.weight): the layer saves W as its input too, for W's credit, which feedback
+    alignment leaves exact: by hand, W.grad = g.T @ W (as the layer's weight) + g @ B (as its
+    input). B stood in for both (1.2 off)."""
+    torch.manual_seed(0)
+    model = _OnItsWeight(unsqueeze).double()
+    g = torch.randn(3, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, g), model, rule="feedback_alignment", seed=0)
+    router(g).sum().backward()
+    W, B = model.fc.weight.detach(), router.feedback["fc"]
+    torch.testing.assert_close(model.fc.weight.grad, g.t() @ W + g @ B, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(model.fc.bias.grad, g.sum(0), rtol=1e-12, atol=1e-14)

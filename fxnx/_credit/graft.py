@@ -147,14 +147,18 @@ def tier(entry: Entry) -> str:
 
 def _native(call: NodeCall) -> bool:
     """Whether ``call``'s layer saves its weights as they are (a weight made by a chain that
-    may copy, ``W.to(x.dtype)``, is another tensor: its layer runs on its own graph)."""
+    may copy, ``W.to(x.dtype)``, is another tensor: its layer runs on its own graph), each
+    for its input's credit alone: a product of two weights (``A @ W``, learned queries
+    ``F.linear(Q, W)``) saves each for the other's credit, which must stay exact, so it runs
+    on its own graph too."""
     if call.module is not None:
         return type(call.module) in WEIGHTED_MODULES
     try:
         native = call.op == "call_function" and call.target in NATIVE_FUNCTIONS
     except TypeError:  # an unhashable callable
         return False
-    return native and not any(getattr(chain, "copies", False) for chain in call.param_views.values())
+    return (native and not any(getattr(chain, "copies", False) for chain in call.param_views.values())
+            and sum(p.dim() >= 2 for _, p in call.param_inputs.values()) <= 1)
 
 
 def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None = None) -> Graft:

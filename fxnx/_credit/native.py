@@ -11,8 +11,10 @@ are; each saved tensor, ``B`` included, is checked for writes in place when
 unpacked, as autograd checks what it saves. An ``nn.Linear`` on a 2-D input has its hooks on the one tensor its
 backward saves from ``W`` instead (one hook call in each pass, not two).
 Sign symmetry's ``sign(W)·M`` is made in the backward pass, one layer at a time,
-and dropped after it. Under autocast, where the layer would save a cast copy of ``W``, the
-node runs through its rule instead (:mod:`.ruled`).
+and dropped after it. Under autocast, where the layer would save a cast copy of
+``W``, and for a layer applied to its own weight, the node runs through its rule
+instead (:mod:`.ruled`). A backward pass that records its own graph
+(``create_graph=True``) through ``B`` is refused.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import torch.fx as fx
 from torch import Tensor
 
 from .._compat import (
+    LINEAR_SAVES_WEIGHT,
     linear_parameters,
     pytree,
     saved_linear_weight,
-    saved_tensors_hooked,
+    saved_tensors_hooks_busy,
     saved_tensors_hooks_calls,
     version,
 )
@@ -107,7 +110,7 @@ class NativeSpec:
             if start <= ptr < end and t.dtype == W.dtype:
                 self.hits += 1
                 if self.signs:
-                    return _SignOf(W, B, t)
+                    return _SignOf(W, B, t, self.call.name)
                 key = (id(B), ptr, t.size(), t.stride())
                 view = self.views.get(key)
                 if view is None:
@@ -133,10 +136,10 @@ class _SignOf:
     ``sign(W)·M`` (``W`` as it was when saved: a write into it since is refused, as autograd
     refuses one into a tensor it saved)."""
 
-    __slots__ = ("W", "M", "version", "size", "stride", "offset", "B")
+    __slots__ = ("W", "M", "version", "size", "stride", "offset", "B", "node")
 
-    def __init__(self, W: Tensor, M: Any, t: Tensor) -> None:
-        self.W, self.M, self.version = W, M, version(W)
+    def __init__(self, W: Tensor, M: Any, t: Tensor, node: str) -> None:
+        self.W, self.M, self.version, self.node = W, M, version(W), node
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset() - W.storage_offset()
         self.B: Tensor | None = None
 
@@ -157,13 +160,29 @@ class _SignOf:
 
 def _unpack(packed: Any) -> Tensor:
     if type(packed) is not tuple:
+        _first_order(packed.node)
         return packed.unpack()  # _SignOf
     t, read, saved, node = packed
     if version(read) != saved:
         if read is t:
             raise RuntimeError(written_since(t, saved, node))
         raise RuntimeError(feedback_written(node))
+    if read is not t:  # B for W
+        _first_order(node)
     return t
+
+
+def _first_order(node: str) -> None:
+    """Refuse a backward pass that records its own graph (``create_graph=True``) through ``B``:
+    autograd would differentiate ``B`` as the ``W`` it stands in for, and send ``W`` the
+    second-order credit of a matrix it never multiplied."""
+    if torch.is_grad_enabled():
+        raise FxnxValueError(
+            f"create_graph=True through node {node!r}, whose backward sends credit through "
+            "its feedback weights B in place of W: autograd would differentiate B as if it were "
+            "W, so higher-order gradients would be wrong. Route this node with rule 'exact' "
+            f"(rules={{{node!r}: fxnx.credit.Exact()}}) for higher-order gradients"
+        )
 
 
 def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
@@ -171,13 +190,16 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
         return spec.fn(*args, **kwargs)
     if torch.is_autocast_enabled(spec.device):
         # The layer would save a cast copy of W, not W: route it through its rule instead.
-        entry = spec.entry
-        return function_call(FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
+        return _on_its_own_graph(spec, args, kwargs)
     spec.use()
-    if spec.linear is not None:
+    if spec.linear is not None and LINEAR_SAVES_WEIGHT:
         out = _linear(spec, args, kwargs)
         if out is not None:
             return out
+    if spec.call.module is not None and _reads_its_weight(spec, args):
+        # A layer applied to its own weight (fc(fc.weight)) saves W as its input too, for
+        # W's credit, which must not read B: route it through its rule instead.
+        return _on_its_own_graph(spec, args, kwargs)
     hits = spec.hits
     if _HOOKS is None:
         with spec.hooks:
@@ -208,6 +230,24 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def _on_its_own_graph(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    entry = spec.entry
+    return function_call(FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
+
+
+def _reads_its_weight(spec: NativeSpec, args: tuple[Any, ...]) -> bool:
+    """Whether a tensor argument of a module's call lies in one of its weights."""
+    for a in args:
+        if isinstance(a, Tensor):
+            try:
+                ptr = a.data_ptr()
+            except RuntimeError:  # no storage (torch.func's wrappers): torch's own error follows
+                return False
+            if any(start <= ptr < end for start, end, *_ in spec.spans):
+                return True
+    return False
+
+
 def _linear(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An ``nn.Linear`` that nothing hooks, on a 2-D input that requires grad, where no
     saved-tensor hooks of the caller's are active: ``F.linear``, then ``B`` packed into the
@@ -216,7 +256,7 @@ def _linear(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     as autograd saves it). None where any of that does not hold, or ``W`` was not what it
     saved (a replaced weight): the call runs again under hooks, where that is named."""
     x = args[0] if len(args) == 1 and not kwargs else None
-    if type(x) is not Tensor or x.dim() != 2 or not x.requires_grad or saved_tensors_hooked():
+    if type(x) is not Tensor or x.dim() != 2 or not x.requires_grad or saved_tensors_hooks_busy():
         return None
     params = linear_parameters(spec.linear)
     if params is None:

@@ -92,7 +92,7 @@ class _RuleNode(torch.autograd.Function):
         for i, (t, saved) in enumerate(zip(ctx.read, ctx.versions, strict=True)):
             if version(t) != saved:
                 raise RuntimeError(
-                    written_since(t, saved, call.name) if i < ctx.inputs else feedback_written(call.name)
+                    _read_since(t, saved, call.name) if i < ctx.inputs else feedback_written(call.name)
                 )
         feed = iter(grads)
         leaves_out = pytree.tree_flatten(call.output)[0]
@@ -121,6 +121,16 @@ def written_since(t: Tensor, saved: int, node: str) -> str:
     return (
         f"one of the variables needed for gradient computation has been modified by an "
         f"inplace operation: a tensor of shape {list(t.shape)} that node {node!r} saved is at "
+        f"version {version(t)}; expected version {saved} instead. Write it out of place "
+        "(x = x + 1, not x.add_(1)) or call backward before changing it"
+    )
+
+
+def _read_since(t: Tensor, saved: int, node: str) -> str:
+    return (
+        f"one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: node {node!r}'s rule reads its inputs and parameters in the "
+        f"backward pass as the forward pass left them, and one of shape {list(t.shape)} is at "
         f"version {version(t)}; expected version {saved} instead. Write it out of place "
         "(x = x + 1, not x.add_(1)) or call backward before changing it"
     )
