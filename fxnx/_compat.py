@@ -15,6 +15,7 @@ torch release that renames one of them degrades a feature instead of breaking
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -177,6 +178,12 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "weight transport: the saved-tensor hooks entered and left once per layer and forward "
         "without the context manager's two Python frames",
         "torch.autograd.graph.saved_tensors_hooks, the context manager (a little slower)",
+    ),
+    (
+        "torch._C._current_graph_task_id",
+        "router.backward: a hook on a parameter keeps the credit of its own backward pass, "
+        "not another thread's (graph_task)",
+        "the thread: right on the CPU, where a backward pass runs on its caller's thread",
     ),
     (
         "torch._C._autograd._top_saved_tensors_default_hooks, "
@@ -404,6 +411,14 @@ def saved_tensors_hooks_busy() -> bool:
         return top is None or enabled is None or not enabled() or top(False) is not None
     except TypeError:  # another signature
         return True
+
+
+def graph_task() -> Callable[[], Any]:
+    """A function naming the backward pass (autograd's graph task) that calls it: a hook on
+    a parameter, which every thread's backward pass runs, tells its own pass from another's.
+    Without it, the thread (a backward pass on the CPU runs on the thread that started it)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current if callable(current) else threading.get_ident
 
 
 def _linear_saves_weight() -> bool:

@@ -600,3 +600,27 @@ def test_a_layer_applied_to_its_own_weight_gets_w_credit_from_w(unsqueeze):
     W, B = model.fc.weight.detach(), router.feedback["fc"]
     torch.testing.assert_close(model.fc.weight.grad, g.t() @ W + g @ B, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(model.fc.bias.grad, g.sum(0), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("rule", ["exact", "feedback_alignment"])
+def test_router_backward_is_loss_backward_for_everything_the_loss_reaches(rule):
+    """router.backward(loss) runs as loss.backward() does: a head outside the model, the
+    input, and parameters' post-accumulate hooks (optimizer-in-backward) get what they get
+    from loss.backward(), where only the model's parameters did, silently; what it returns
+    is what was added to each .grad, its own copy."""
+    torch.manual_seed(0)
+    model, head = _mlp(3, 4, 2), nn.Linear(2, 1).double()
+    x = torch.randn(5, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, seed=0)
+    grads, fired = [], []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    for backward in (lambda loss: loss.backward(), router.backward):
+        xs = x.clone().requires_grad_()
+        model.zero_grad(), head.zero_grad()
+        result = backward(head(router(xs)).pow(2).sum())
+        grads.append([xs.grad, *(p.grad for p in (*model.parameters(), *head.parameters()))])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    assert len(fired) == 2 and torch.equal(fired[0], fired[1])
+    got = result.param_credit["0.weight"]
+    assert torch.equal(got, model[0].weight.grad) and got.data_ptr() != model[0].weight.grad.data_ptr()

@@ -35,6 +35,7 @@ from .._contract import validate
 from .._errors import FxnxError, FxnxTypeError, FxnxValueError, warn_user
 from .._state import preserved
 from . import feedback as fb
+from .accumulated import accumulated, reaches
 from .compare import cosine_angle, flat
 from .faithful import Probe, backward_differs, check_hooks, differs, probe
 from .graft import Graft, graft
@@ -273,7 +274,8 @@ class CreditRouter(nn.Module):
         """Route the credit of this thread's last forward, as ``loss.backward()`` would, and
         report it.
 
-        ``loss.backward()`` does the same and is the primary path; this call also
+        ``loss.backward()`` does the same and is the primary path; this call runs it (every
+        leaf the loss reaches gets its ``.grad``, hooks and DDP's reducer fire), and also
         returns what was routed, and takes the credit at the output itself.
 
         Parameters
@@ -333,8 +335,14 @@ class CreditRouter(nn.Module):
             params = live if run.plain else {n: live.get(n, p) for n, p in params.items()}
         params = {n: p for n, p in params.items() if p.requires_grad}
         names = [*run.names, _RESULT] if node_credit else [_RESULT]
-        try:
-            nodes_got, params_got = routed(names, (*nodes, result) if node_credit else (result,), roots, grads, params)
+        outputs = [t for t in pytree.tree_leaves(result) if isinstance(t, Tensor) and t.requires_grad]
+        if loss is not None and not reaches(roots, outputs):
+            raise FxnxValueError(
+                "loss does not depend on the output the last router(...) call returned: compute "
+                "it from that output (not from model(x), nor from an earlier call's output)"
+            )
+        try:  # as loss.backward() runs: every leaf it reaches, hooks and DDP's reducer too
+            nodes_got, params_got = accumulated(names, (*nodes, result) if node_credit else (result,), roots, grads, params)
         except RuntimeError as err:
             if "second time" not in str(err):
                 raise
@@ -343,20 +351,8 @@ class CreditRouter(nn.Module):
                 "router.backward (once per forward)"
             ) from err
         at_result = nodes_got.pop(_RESULT)
-        if loss is not None and at_result is None:
-            raise FxnxValueError(
-                "loss does not depend on the output the last router(...) call returned: compute "
-                "it from that output (not from model(x), nor from an earlier call's output)"
-            )
         self._last.run = None
         self._last.why = "router.backward was already called on the last forward"
-        with torch.no_grad():
-            for name, g in params_got.items():
-                p = params[name]
-                if p.grad is None:
-                    p.grad = torch.empty_like(p).copy_(g)
-                else:
-                    p.grad += g
         if node_credit:
             flat = pytree.tree_leaves(at_result) if at_result is not None else [None] * len(pytree.tree_leaves(result))
             nodes_got[run.plan.entries[-1].call.name] = graph_credit(result, output, flat)

@@ -1,0 +1,93 @@
+"""``loss.backward()`` itself, with what it routes captured: the engine of ``router.backward``.
+
+``torch.autograd.backward`` runs as ``loss.backward()`` runs it, so every leaf the loss
+reaches gets its ``.grad`` (a head outside the model, the input), and parameters' hooks and
+``DistributedDataParallel``'s reducer fire; a hook on each parameter and on each value keeps
+a copy of the credit that reached it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._compat import graph_task, pytree
+
+
+def reaches(roots: list[Tensor], targets: list[Tensor]) -> bool:
+    """Whether the backward pass from ``roots`` reaches any of ``targets`` (a walk of
+    autograd's graph, before anything runs)."""
+    want = {t.grad_fn for t in targets if t.grad_fn is not None}
+    leaves = {id(t) for t in targets if t.grad_fn is None and t.requires_grad}
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    if any(id(t) in leaves for t in roots):
+        return True
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node in want or id(getattr(node, "variable", None)) in leaves:
+            return True
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
+
+
+def accumulated(
+    names: list[str], values: Any, roots: list[Tensor], grads: list[Tensor] | None, params: dict[str, Tensor],
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``torch.autograd.backward(roots, grads)``, returning the credit that reached each of
+    ``values`` (named by ``names``; None where none did) and each of ``params`` (its own
+    copy: what was added to its ``.grad``)."""
+    got: dict[int, Tensor] = {}
+    task: list[Any] = []  # this backward pass's name, taken at its roots
+    current = graph_task()
+
+    def start(_: Tensor) -> None:
+        if not task:
+            task.append(current())
+
+    def keep(at: int) -> Any:
+        def hook(g: Tensor) -> None:
+            got[at] = g
+        return hook
+
+    def keep_own(at: int) -> Any:  # a parameter's hooks run in every thread's backward pass
+        def hook(g: Tensor) -> None:
+            if task and current() == task[0]:
+                got[at] = g.detach().clone()
+        return hook
+
+    handles = [t.register_hook(start) for t in roots if t.requires_grad]
+    for at, p in enumerate(params.values()):  # registered last: sees what is accumulated
+        handles.append(p.register_hook(keep_own(at)))
+    places: list[tuple[str, Any, Any]] = []  # (name, structure or None for a tensor, index)
+    at = len(params)
+    for name, value in zip(names, values, strict=False):
+        leaves, tree = ([value], None) if isinstance(value, Tensor) else pytree.tree_flatten(value)
+        index: list[int | None] = []
+        for t in leaves:
+            if isinstance(t, Tensor) and t.requires_grad:
+                handles.append(t.register_hook(keep(at)))
+                index.append(at)
+                at += 1
+            else:
+                index.append(None)
+        places.append((name, tree, index))
+    try:
+        torch.autograd.backward(roots, grads)
+    finally:
+        for handle in handles:
+            handle.remove()
+    param_credit = {name: got[i] for i, name in enumerate(params) if i in got}
+    node_credit: dict[str, Any] = {}
+    for name, tree, index in places:
+        parts = [None if i is None else got.get(i) for i in index]
+        if tree is None:
+            node_credit[name] = parts[0]
+        else:
+            node_credit[name] = None if all(p is None for p in parts) else pytree.tree_unflatten(parts, tree)
+    return node_credit, param_credit
