@@ -578,22 +578,24 @@ def test_a_product_of_two_weights_gives_each_its_exact_credit(rule, make):
 
 
 class _OnItsWeight(nn.Module):
-    def __init__(self, unsqueeze):
+    def __init__(self, how):
         super().__init__()
-        self.fc, self.unsqueeze = nn.Linear(3, 3), unsqueeze
+        self.fc, self.how = nn.Linear(3, 3), how
 
     def forward(self, x):
         w = self.fc.weight
-        return (self.fc(w.unsqueeze(0)).squeeze(0) if self.unsqueeze else self.fc(w)) * x
+        if self.how == "unsqueezed":
+            return self.fc(w.unsqueeze(0)).squeeze(0) * x
+        return (self.fc(input=w) if self.how == "keyword" else self.fc(w)) * x
 
 
-@pytest.mark.parametrize("unsqueeze", [False, True])
-def test_a_layer_applied_to_its_own_weight_gets_w_credit_from_w(unsqueeze):
+@pytest.mark.parametrize("how", ["positional", "keyword", "unsqueezed"])
+def test_a_layer_applied_to_its_own_weight_gets_w_credit_from_w(how):
     """fc(fc.weight): the layer saves W as its input too, for W's credit, which feedback
     alignment leaves exact: by hand, W.grad = g.T @ W (as the layer's weight) + g @ B (as its
     input). B stood in for both (1.2 off)."""
     torch.manual_seed(0)
-    model = _OnItsWeight(unsqueeze).double()
+    model = _OnItsWeight(how).double()
     g = torch.randn(3, 3, dtype=f64)
     router = fxnx.CreditRouter(fxnx.convert(model, g), model, rule="feedback_alignment", seed=0)
     router(g).sum().backward()
@@ -624,3 +626,51 @@ def test_router_backward_is_loss_backward_for_everything_the_loss_reaches(rule):
     assert len(fired) == 2 and torch.equal(fired[0], fired[1])
     got = result.param_credit["0.weight"]
     assert torch.equal(got, model[0].weight.grad) and got.data_ptr() != model[0].weight.grad.data_ptr()
+
+
+def test_router_backward_keeps_the_credit_of_parameters_inside_a_reentrant_checkpoint():
+    """A reentrant checkpoint runs its own backward pass inside the router's: what reached
+    its parameters is part of what router.backward returns (it was left out)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.b(torch.tanh(checkpoint(self.a, x, use_reentrant=True)))
+
+    model = Net().double()
+    x = torch.randn(2, 4, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="exact")
+    result = router.backward(router(x.clone().requires_grad_()).sum())
+    want = copy.deepcopy(model)
+    want.zero_grad()
+    want(x.clone().requires_grad_()).sum().backward()
+    assert sorted(result.param_credit) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    for name, p in want.named_parameters():
+        assert torch.equal(result.param_credit[name], p.grad), name
+
+
+@pytest.mark.parametrize("rule", ["feedback_alignment", "usf", "kolen_pollack", "weight_mirror"])
+def test_a_transformer_layer_trains_under_autocast_with_every_transport_rule(rule):
+    """Attention under autocast runs its rule in the backward pass, where the credit is
+    bfloat16 and B float32: it failed in a matrix product of the two ("expected m1 and m2 to
+    have the same dtype"). Under autocast the gradients are float32 and near those of the
+    same step without it (bfloat16's rounding apart)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True),
+                          nn.Flatten(), nn.Linear(80, 3))
+    x = torch.randn(2, 5, 16)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, seed=0)
+    grads = []
+    for autocast in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = router(x)
+        out.float().pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[1].items():
+        assert g.dtype == torch.float32, name
+        assert (g - grads[0][name]).norm() <= 0.1 * grads[0][name].norm() + 1e-6, name

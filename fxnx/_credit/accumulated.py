@@ -8,6 +8,7 @@ a copy of the credit that reached it.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ def accumulated(
     copy: what was added to its ``.grad``)."""
     got: dict[int, Tensor] = {}
     task: list[Any] = []  # this backward pass's name, taken at its roots
-    current = graph_task()
+    current, thread = graph_task(), threading.get_ident()
 
     def start(_: Tensor) -> None:
         if not task:
@@ -57,7 +58,8 @@ def accumulated(
 
     def keep_own(at: int) -> Any:  # a parameter's hooks run in every thread's backward pass
         def hook(g: Tensor) -> None:
-            if task and current() == task[0]:
+            # this pass, or one it started on this thread (a reentrant checkpoint's)
+            if threading.get_ident() == thread or (task and current() == task[0]):
                 got[at] = g.detach().clone()
         return hook
 

@@ -196,7 +196,7 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
         out = _linear(spec, args, kwargs)
         if out is not None:
             return out
-    if spec.call.module is not None and _reads_its_weight(spec, args):
+    if spec.call.module is not None and _reads_its_weight(spec, args, kwargs):
         # A layer applied to its own weight (fc(fc.weight)) saves W as its input too, for
         # W's credit, which must not read B: route it through its rule instead.
         return _on_its_own_graph(spec, args, kwargs)
@@ -235,9 +235,9 @@ def _on_its_own_graph(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str,
     return function_call(FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
 
 
-def _reads_its_weight(spec: NativeSpec, args: tuple[Any, ...]) -> bool:
+def _reads_its_weight(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a tensor argument of a module's call lies in one of its weights."""
-    for a in args:
+    for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
             try:
                 ptr = a.data_ptr()

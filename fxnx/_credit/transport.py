@@ -255,8 +255,10 @@ class _FeedbackLinear(torch.autograd.Function):
     def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, B = ctx.saved_tensors
         flat = credit.reshape(-1, credit.shape[-1])
-        gx = credit @ B if ctx.needs_input_grad[0] else None
-        gW = flat.T @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        # in the credit's dtype, as autograd's own linear backward under autocast (x and B
+        # kept as they were given; autograd casts each credit to its input's dtype)
+        gx = credit @ B.to(credit.dtype) if ctx.needs_input_grad[0] else None
+        gW = flat.T @ x.reshape(-1, x.shape[-1]).to(credit.dtype) if ctx.needs_input_grad[1] else None
         gb = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gW, gb, None
 
