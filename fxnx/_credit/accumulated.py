@@ -8,7 +8,9 @@ a copy of the credit that reached it.
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,30 +68,46 @@ def accumulated(
     handles = [t.register_hook(start) for t in roots if t.requires_grad]
     for at, p in enumerate(params.values()):  # registered last: sees what is accumulated
         handles.append(p.register_hook(keep_own(at)))
-    places: list[tuple[str, Any, Any]] = []  # (name, structure or None for a tensor, index)
-    at = len(params)
-    for name, value in zip(names, values, strict=False):
-        leaves, tree = ([value], None) if isinstance(value, Tensor) else pytree.tree_flatten(value)
-        index: list[int | None] = []
-        for t in leaves:
-            if isinstance(t, Tensor) and t.requires_grad:
-                handles.append(t.register_hook(keep(at)))
-                index.append(at)
-                at += 1
-            else:
-                index.append(None)
-        places.append((name, tree, index))
+    slots = itertools.count(len(params))
+
+    def watch(t: Tensor) -> int:
+        at = next(slots)
+        handles.append(t.register_hook(keep(at)))
+        return at
+
+    places = taken_apart(names, values, watch)
     try:
         torch.autograd.backward(roots, grads)
     finally:
         for handle in handles:
             handle.remove()
     param_credit = {name: got[i] for i, name in enumerate(params) if i in got}
-    node_credit: dict[str, Any] = {}
+    return credit_at(places, got.get), param_credit
+
+
+#: a value's name, its structure (None for a tensor) and, for each of its leaves, where its
+#: credit will be found (None for a leaf that takes none)
+Place = tuple[str, Any, list[int | None]]
+
+
+def taken_apart(names: list[str], values: Any, watch: Callable[[Tensor], int]) -> list[Place]:
+    """Each named value's leaves: ``watch(t)`` for each tensor that requires grad says where
+    its credit will be found."""
+    places: list[Place] = []
+    for name, value in zip(names, values or (), strict=False):
+        leaves, tree = ([value], None) if isinstance(value, Tensor) else pytree.tree_flatten(value)
+        index = [watch(t) if isinstance(t, Tensor) and t.requires_grad else None for t in leaves]
+        places.append((name, tree, index))
+    return places
+
+
+def credit_at(places: list[Place], found: Callable[[int], Tensor | None]) -> dict[str, Any]:
+    """Each value's credit, in its structure: None where none reached it."""
+    credit: dict[str, Any] = {}
     for name, tree, index in places:
-        parts = [None if i is None else got.get(i) for i in index]
+        parts = [None if i is None else found(i) for i in index]
         if tree is None:
-            node_credit[name] = parts[0]
+            credit[name] = parts[0]
         else:
-            node_credit[name] = None if all(p is None for p in parts) else pytree.tree_unflatten(parts, tree)
-    return node_credit, param_credit
+            credit[name] = None if all(p is None for p in parts) else pytree.tree_unflatten(parts, tree)
+    return credit

@@ -35,7 +35,7 @@ from .._contract import validate
 from .._errors import FxnxError, FxnxTypeError, FxnxValueError, warn_user
 from .._state import preserved
 from . import feedback as fb
-from .accumulated import accumulated, reaches
+from .accumulated import accumulated, credit_at, reaches, taken_apart
 from .compare import cosine_angle, flat
 from .faithful import Probe, backward_differs, check_hooks, differs, probe
 from .graft import Graft, graft
@@ -683,34 +683,17 @@ def routed(
     ``names``; the values a collecting forward returned, or None) and at each parameter.
     Nothing is accumulated."""
     wrt: list[Tensor] = list(params.values())
-    places: list[tuple[str, Any, Any]] = []  # (name, structure or None for a tensor, index)
-    for name, value in zip(names, nodes or (), strict=False):
-        if isinstance(value, Tensor):  # most nodes: no structure to take apart
-            places.append((name, None, len(wrt) if value.requires_grad else None))
-            if value.requires_grad:
-                wrt.append(value)
-            continue
-        leaves, tree = pytree.tree_flatten(value)
-        index: list[int | None] = []
-        for t in leaves:
-            if isinstance(t, Tensor) and t.requires_grad:
-                index.append(len(wrt))
-                wrt.append(t)
-            else:
-                index.append(None)
-        places.append((name, tree, index))
+
+    def watch(t: Tensor) -> int:
+        wrt.append(t)
+        return len(wrt) - 1
+
+    places = taken_apart(names, nodes, watch)
     if not wrt or not roots:
         return {name: None for name, *_ in places}, {}
     got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
     param_credit = {n: g for n, g in zip(params, got, strict=False) if g is not None}
-    node_credit: dict[str, Any] = {}
-    for name, tree, at in places:
-        if tree is None:
-            node_credit[name] = None if at is None else got[at]
-            continue
-        parts = [None if i is None else got[i] for i in at]
-        node_credit[name] = None if all(p is None for p in parts) else pytree.tree_unflatten(parts, tree)
-    return node_credit, param_credit
+    return credit_at(places, got.__getitem__), param_credit
 
 
 def rules_used(plan: Plan, node_credit: Mapping[str, Any] | None) -> dict[str, str]:
