@@ -70,6 +70,8 @@ class NativeSpec:
         self.views: dict[tuple[Any, ...], Tensor] = {}
         self.hits = 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        #: the node as a rule run on its own graph (under autocast, or applied to its weight)
+        self.ruled = FunctionSpec.of(entry)
 
     def use(self) -> None:
         """Take this call's feedback: ``B`` for each weight (laid out like ``W``), or for sign
@@ -165,7 +167,7 @@ def _unpack(packed: Any) -> Tensor:
     t, read, saved, node = packed
     if version(read) != saved:
         if read is t:
-            raise RuntimeError(written_since(t, saved, node))
+            raise RuntimeError(written_since(t, saved, f"node {node!r} saved"))
         raise RuntimeError(feedback_written(node))
     if read is not t:  # B for W
         _first_order(node)
@@ -192,8 +194,10 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
         # The layer would save a cast copy of W, not W: route it through its rule instead.
         return _on_its_own_graph(spec, args, kwargs)
     spec.use()
-    if spec.linear is not None and LINEAR_SAVES_WEIGHT:
-        out = _linear(spec, args, kwargs)
+    # an nn.Linear that nothing hooks, on one positional input: its weight and bias
+    params = linear_parameters(spec.linear) if spec.linear is not None and len(args) == 1 and not kwargs else None
+    if params is not None and LINEAR_SAVES_WEIGHT:
+        out = _linear(spec, args[0], params)
         if out is not None:
             return out
     if spec.call.module is not None and _reads_its_weight(spec, args, kwargs):
@@ -203,11 +207,11 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
     hits = spec.hits
     if _HOOKS is None:
         with spec.hooks:
-            out = _run(spec, args, kwargs)
+            out = _run(spec, params, args, kwargs)
     else:  # the same as the context manager, without its frames: once per layer and forward
         _HOOKS[0](spec.pack, _unpack)
         try:
-            out = _run(spec, args, kwargs)
+            out = _run(spec, params, args, kwargs)
         finally:
             _HOOKS[1]()
     if spec.hits == hits and _needs_input_credit(args, kwargs, spec.call):
@@ -231,8 +235,7 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
 
 
 def _on_its_own_graph(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    entry = spec.entry
-    return function_call(FunctionSpec.of(entry), RoutingState(), *_inputs_of(entry, args, kwargs))
+    return function_call(spec.ruled, RoutingState(), *_inputs_of(spec.entry, args, kwargs))
 
 
 def _reads_its_weight(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -248,18 +251,15 @@ def _reads_its_weight(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str,
     return False
 
 
-def _linear(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """An ``nn.Linear`` that nothing hooks, on a 2-D input that requires grad, where no
-    saved-tensor hooks of the caller's are active: ``F.linear``, then ``B`` packed into the
-    one tensor its backward saves from ``W`` (``W.T``, for the input's credit). That is one
-    hook call in each pass where hooks around the whole call take two (the input is saved
-    as autograd saves it). None where any of that does not hold, or ``W`` was not what it
-    saved (a replaced weight): the call runs again under hooks, where that is named."""
-    x = args[0] if len(args) == 1 and not kwargs else None
+def _linear(spec: NativeSpec, x: Any, params: tuple[Tensor, Tensor | None]) -> Any:
+    """An ``nn.Linear`` that nothing hooks (``params``, its weight and bias), on a 2-D input
+    that requires grad, where no saved-tensor hooks of the caller's are active:
+    ``F.linear``, then ``B`` packed into the one tensor its backward saves from ``W`` (``W.T``,
+    for the input's credit). That is one hook call in each pass where hooks around the whole
+    call take two (the input is saved as autograd saves it). None where any of that does not
+    hold, or ``W`` was not what it saved (a replaced weight): the call runs again under
+    hooks, where that is named."""
     if type(x) is not Tensor or x.dim() != 2 or not x.requires_grad or saved_tensors_hooks_busy():
-        return None
-    params = linear_parameters(spec.linear)
-    if params is None:
         return None
     out = torch.nn.functional.linear(x, *params)
     saved = saved_linear_weight(out)
@@ -270,13 +270,11 @@ def _linear(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return out if spec.hits != hits else None
 
 
-def _run(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The node's call; an ``nn.Linear`` that nothing hooks as ``F.linear`` on its weight
-    and bias, which is all its call would do (small layers pay most for its frames)."""
-    if spec.linear is not None and len(args) == 1 and not kwargs:
-        params = linear_parameters(spec.linear)
-        if params is not None:
-            return torch.nn.functional.linear(args[0], *params)
+def _run(spec: NativeSpec, params: tuple[Tensor, Tensor | None] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The node's call; an ``nn.Linear`` that nothing hooks (``params``, its weight and bias)
+    as ``F.linear``, which is all its call would do (small layers pay most for its frames)."""
+    if params is not None:
+        return torch.nn.functional.linear(args[0], *params)
     return spec.fn(*args, **kwargs)
 
 

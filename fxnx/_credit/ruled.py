@@ -92,7 +92,8 @@ class _RuleNode(torch.autograd.Function):
         for i, (t, saved) in enumerate(zip(ctx.read, ctx.versions, strict=True)):
             if version(t) != saved:
                 raise RuntimeError(
-                    _read_since(t, saved, call.name) if i < ctx.inputs else feedback_written(call.name)
+                    written_since(t, saved, f"node {call.name!r}'s rule reads in the backward pass")
+                    if i < ctx.inputs else feedback_written(call.name)
                 )
         feed = iter(grads)
         leaves_out = pytree.tree_flatten(call.output)[0]
@@ -116,22 +117,13 @@ class _RuleNode(torch.autograd.Function):
         return tuple(out)
 
 
-def written_since(t: Tensor, saved: int, node: str) -> str:
-    """Autograd's words for a saved tensor written in place since, with the node's name."""
+def written_since(t: Tensor, saved: int, reader: str) -> str:
+    """Autograd's words for a tensor written in place since ``reader`` (naming the node) took
+    it in the forward pass."""
     return (
         f"one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: a tensor of shape {list(t.shape)} that node {node!r} saved is at "
-        f"version {version(t)}; expected version {saved} instead. Write it out of place "
-        "(x = x + 1, not x.add_(1)) or call backward before changing it"
-    )
-
-
-def _read_since(t: Tensor, saved: int, node: str) -> str:
-    return (
-        f"one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: node {node!r}'s rule reads its inputs and parameters in the "
-        f"backward pass as the forward pass left them, and one of shape {list(t.shape)} is at "
-        f"version {version(t)}; expected version {saved} instead. Write it out of place "
+        f"inplace operation: a tensor of shape {list(t.shape)} that {reader} is at version "
+        f"{version(t)}; expected version {saved} instead. Write it out of place "
         "(x = x + 1, not x.add_(1)) or call backward before changing it"
     )
 
