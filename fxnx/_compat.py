@@ -404,13 +404,17 @@ def saved_tensors_hooks_busy() -> bool:
     caller's are active (a non-reentrant checkpoint's, which pack every tensor saved under
     them) or hooks are disabled (inside ``torch.func`` transforms, whose own error then says
     so); True where this torch cannot tell."""
-    autograd = torch._C._autograd
-    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
-    enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
+    if _TOP_HOOKS is None or _HOOKS_ENABLED is None:
+        return True
     try:
-        return top is None or enabled is None or not enabled() or top(False) is not None
+        return not _HOOKS_ENABLED() or _TOP_HOOKS(False) is not None
     except TypeError:  # another signature
         return True
+
+
+#: What saved_tensors_hooks_busy asks (it runs for every fast nn.Linear call), found once.
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_HOOKS_ENABLED = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
 
 
 def graph_task() -> Callable[[], Any]:

@@ -1,5 +1,8 @@
-"""``loss.backward()`` itself, with what it routes captured: the engine of ``router.backward``.
+"""The backward passes that report the credit they route.
 
+:func:`routed` (``route_credit``'s) is ``torch.autograd.grad``: credit at each value and
+parameter, nothing accumulated. :func:`accumulated` (``router.backward``'s) is
+``loss.backward()`` itself, with what it routes captured:
 ``torch.autograd.backward`` runs as ``loss.backward()`` runs it, so every leaf the loss
 reaches gets its ``.grad`` (a head outside the model, the input), and parameters' hooks and
 ``DistributedDataParallel``'s reducer fire; a hook on each parameter and on each value keeps
@@ -39,6 +42,26 @@ def reaches(roots: list[Tensor], targets: list[Tensor]) -> bool:
     return False
 
 
+def routed(
+    names: list[str], nodes: Any, roots: list[Tensor], grads: list[Tensor] | None, params: dict[str, Tensor],
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Autograd's backward from ``roots``: the credit at each value of ``nodes`` (named by
+    ``names``; the values a collecting forward returned, or None) and at each parameter.
+    Nothing is accumulated."""
+    wrt: list[Tensor] = list(params.values())
+
+    def watch(t: Tensor) -> int:
+        wrt.append(t)
+        return len(wrt) - 1
+
+    places = _taken_apart(names, nodes, watch)
+    if not wrt or not roots:
+        return {name: None for name, *_ in places}, {}
+    got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+    param_credit = {n: g for n, g in zip(params, got, strict=False) if g is not None}
+    return _credit_at(places, got.__getitem__), param_credit
+
+
 def accumulated(
     names: list[str], values: Any, roots: list[Tensor], grads: list[Tensor] | None, params: dict[str, Tensor],
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -75,14 +98,14 @@ def accumulated(
         handles.append(t.register_hook(keep(at)))
         return at
 
-    places = taken_apart(names, values, watch)
+    places = _taken_apart(names, values, watch)
     try:
         torch.autograd.backward(roots, grads)
     finally:
         for handle in handles:
             handle.remove()
     param_credit = {name: got[i] for i, name in enumerate(params) if i in got}
-    return credit_at(places, got.get), param_credit
+    return _credit_at(places, got.get), param_credit
 
 
 #: a value's name, its structure (None for a tensor) and, for each of its leaves, where its
@@ -90,7 +113,7 @@ def accumulated(
 Place = tuple[str, Any, list[int | None]]
 
 
-def taken_apart(names: list[str], values: Any, watch: Callable[[Tensor], int]) -> list[Place]:
+def _taken_apart(names: list[str], values: Any, watch: Callable[[Tensor], int]) -> list[Place]:
     """Each named value's leaves: ``watch(t)`` for each tensor that requires grad says where
     its credit will be found."""
     places: list[Place] = []
@@ -101,7 +124,7 @@ def taken_apart(names: list[str], values: Any, watch: Callable[[Tensor], int]) -
     return places
 
 
-def credit_at(places: list[Place], found: Callable[[int], Tensor | None]) -> dict[str, Any]:
+def _credit_at(places: list[Place], found: Callable[[int], Tensor | None]) -> dict[str, Any]:
     """Each value's credit, in its structure: None where none reached it."""
     credit: dict[str, Any] = {}
     for name, tree, index in places:

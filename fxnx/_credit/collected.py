@@ -22,6 +22,7 @@ from .._capture.options import LeafSpec
 from .._capture.reuse import kept_on
 from .._compat import pytree
 from .._state import preserved
+from .accumulated import routed
 from .nodecall import fresh_leaf
 from .presets import PRESETS
 from .result import CreditResult, credit_norms, owned
@@ -30,7 +31,6 @@ from .router import (
     graph_credit,
     output_credit_like,
     own,
-    routed,
     rules_used,
     run_checked,
 )

@@ -35,7 +35,7 @@ from .._contract import validate
 from .._errors import FxnxError, FxnxTypeError, FxnxValueError, warn_user
 from .._state import preserved
 from . import feedback as fb
-from .accumulated import accumulated, credit_at, reaches, taken_apart
+from .accumulated import accumulated, reaches
 from .compare import cosine_angle, flat
 from .faithful import Probe, backward_differs, check_hooks, differs, probe
 from .graft import Graft, graft
@@ -674,26 +674,6 @@ def _check_loss(loss: Any) -> None:
             "loss does not depend on the output the last router(...) call returned: compute it "
             "from that output (not from model(x), nor from an earlier call's output)"
         )
-
-
-def routed(
-    names: list[str], nodes: Any, roots: list[Tensor], grads: list[Tensor] | None, params: dict[str, Tensor],
-) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """Autograd's backward from ``roots``: the credit at each value of ``nodes`` (named by
-    ``names``; the values a collecting forward returned, or None) and at each parameter.
-    Nothing is accumulated."""
-    wrt: list[Tensor] = list(params.values())
-
-    def watch(t: Tensor) -> int:
-        wrt.append(t)
-        return len(wrt) - 1
-
-    places = taken_apart(names, nodes, watch)
-    if not wrt or not roots:
-        return {name: None for name, *_ in places}, {}
-    got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
-    param_credit = {n: g for n, g in zip(params, got, strict=False) if g is not None}
-    return credit_at(places, got.__getitem__), param_credit
 
 
 def rules_used(plan: Plan, node_credit: Mapping[str, Any] | None) -> dict[str, str]:
