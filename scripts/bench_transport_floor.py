@@ -44,22 +44,29 @@ def _model(depth: int, width: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 10)).train()
 
 
-class _Hooked(nn.Module):
-    """F.linear per layer; B's view put into the saved W.T by a hook on that saved tensor."""
+class _Chain(nn.Module):
+    """The model's linear layers as ``step(x, layer, feedback)`` each, ReLU between them
+    as ``F.relu`` (no module frames)."""
 
-    def __init__(self, linears: list[nn.Linear], feedback: list[torch.Tensor]) -> None:
+    def __init__(self, linears: list[nn.Linear], feedback: list[Any], step: Callable[..., torch.Tensor]) -> None:
         super().__init__()
-        self.linears = linears
-        self.saved = [(B.t(),) for B in feedback]  # what addmm saves from W: W.T
+        self.linears, self.feedback, self.step = linears, feedback, step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         last = len(self.linears) - 1
-        for i, (layer, packed) in enumerate(zip(self.linears, self.saved, strict=True)):
-            out = F.linear(x, layer.weight, layer.bias)
-            if x.requires_grad:  # only then does addmm save W.T (for the input's credit)
-                out.grad_fn._raw_saved_mat2.register_hooks(lambda _, p=packed: p, _first)
-            x = F.relu(out) if i < last else out
+        for i, (layer, B) in enumerate(zip(self.linears, self.feedback, strict=True)):
+            x = self.step(x, layer, B)
+            x = F.relu(x) if i < last else x
         return x
+
+
+def _hooked(x: torch.Tensor, layer: nn.Linear, packed: tuple[torch.Tensor]) -> torch.Tensor:
+    """F.linear, then ``packed`` (B.T's view: what addmm saves from W is W.T) put into the
+    saved W.T by a hook on that saved tensor."""
+    out = F.linear(x, layer.weight, layer.bias)
+    if x.requires_grad:  # only then does addmm save W.T (for the input's credit)
+        out.grad_fn._raw_saved_mat2.register_hooks(lambda _: packed, _first)
+    return out
 
 
 def _first(packed: tuple[torch.Tensor]) -> torch.Tensor:
@@ -78,30 +85,12 @@ class _FA(torch.autograd.Function):
         return credit @ B, credit.t() @ x, credit.sum(0), None
 
 
-class _Function(nn.Module):
-    def __init__(self, linears: list[nn.Linear], feedback: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.linears, self.feedback = linears, feedback
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        last = len(self.linears) - 1
-        for i, (layer, B) in enumerate(zip(self.linears, self.feedback, strict=True)):
-            x = _FA.apply(x, layer.weight, layer.bias, B)
-            x = F.relu(x) if i < last else x
-        return x
+def _function(x: torch.Tensor, layer: nn.Linear, B: torch.Tensor) -> torch.Tensor:
+    return _FA.apply(x, layer.weight, layer.bias, B)
 
 
-class _Plain(nn.Module):
-    def __init__(self, linears: list[nn.Linear]) -> None:
-        super().__init__()
-        self.linears = linears
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        last = len(self.linears) - 1
-        for i, layer in enumerate(self.linears):
-            x = F.linear(x, layer.weight, layer.bias)
-            x = F.relu(x) if i < last else x
-        return x
+def _plain(x: torch.Tensor, layer: nn.Linear, _: Any) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
 
 
 def _same_credit(model: nn.Module, sides: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor) -> None:
@@ -134,10 +123,10 @@ def main() -> None:
     feedback = [router.feedback[f"_{i}"] for i, m in enumerate(model) if isinstance(m, nn.Linear)]
     sides: dict[str, nn.Module] = {
         "router": router,
-        "hooked": _Hooked(linears, feedback),
-        "hooked_W": _Hooked(linears, [layer.weight.detach() for layer in linears]),
-        "function": _Function(linears, feedback),
-        "plain": _Plain(linears),
+        "hooked": _Chain(linears, [(B.t(),) for B in feedback], _hooked),
+        "hooked_W": _Chain(linears, [(layer.weight.detach().t(),) for layer in linears], _hooked),
+        "function": _Chain(linears, feedback, _function),
+        "plain": _Chain(linears, feedback, _plain),
     }
     _same_credit(model, sides, x, y)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
