@@ -14,11 +14,14 @@ import collections
 import copy
 import types
 
+import numpy as np
+import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fxnx._capture.fingerprint import fingerprint
+from fxnx._capture.fingerprint import Fingerprints, fingerprint
 
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -111,3 +114,77 @@ def _strictly_equal(a, b) -> bool:
             return list(a) == list(b) and all(_strictly_equal(a[k], b[k]) for k in a)
         return all(_strictly_equal(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+class _Config:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def test_a_change_in_any_of_many_config_objects_changes_the_fingerprint():
+    """Config objects inside config objects, each field changed in turn. The walk had taken
+    the identity of each object's copied attributes, freed at once, so a later object given
+    that identity was read as one already seen: 14 of these 20 changes went unseen, and the
+    router reused a capture of the model as it was."""
+    holder = Holder([_Config(x=i, sub=_Config(z=i)) for i in range(10)])
+    for config in holder.value:
+        for owner, field in ((config, "x"), (config.sub, "z")):
+            before = fingerprint([holder])
+            setattr(owner, field, getattr(owner, field) + 100)
+            assert fingerprint([holder]) != before
+
+
+@SETTINGS
+@given(NESTED, st.data())
+def test_the_routers_fingerprints_walk_again_exactly_where_something_changed(value, data):
+    """Fingerprints (the router's guard, at each call) keeps its last fingerprint while
+    everything that walk read is the same objects: with no change, the same key and no walk;
+    after any change in place, a fresh walk's key (the oracle, tested above against ==)."""
+    holder = Holder(value)
+    prints = Fingerprints()
+    modules = [holder]
+    first = prints(modules)
+    assert prints(modules) is first
+    places = list(_mutable_places(value))
+    if places:
+        _, container = data.draw(st.sampled_from(places))
+        _changed(container, data.draw(st.integers(0, 7)))
+    else:
+        holder.value = ("changed", value)
+    assert prints(modules) == fingerprint(modules) != first
+
+
+def _closure(scale):
+    def f(x):
+        return x * scale
+    return f, lambda: f.__closure__[0].__setattr__("cell_contents", scale + 1)
+
+
+def _default(scale=2):
+    return scale
+
+
+_CHANGES = {  # an attribute of each kind the walk reads by other means than ==, and a change
+    "closure": lambda: _closure(2),
+    "defaults": lambda: (_default, lambda: setattr(_default, "__defaults__", (3,))),
+    "tensor": lambda: (t := torch.zeros(2), lambda: t.add_(1)),
+    "array": lambda: (a := np.zeros(2), lambda: a.__setitem__(0, 1)),
+    "array_shape": lambda: (a := np.zeros(2), lambda: setattr(a, "shape", (2, 1))),
+    "set": lambda: (s := {1, 2}, lambda: s.add(3)),
+    "global_hook": lambda: (None, lambda: nn.modules.module.register_module_forward_hook(lambda *a: None)),
+    "class_forward": lambda: (None, lambda: setattr(Holder, "forward", lambda self, x: x)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_CHANGES))
+def test_the_routers_fingerprints_see_every_kind_of_change(kind, monkeypatch):
+    monkeypatch.setattr(_default, "__defaults__", _default.__defaults__)
+    monkeypatch.setattr(Holder, "forward", Holder.forward, raising=False)
+    monkeypatch.setattr(nn.modules.module, "_global_forward_hooks", type(nn.modules.module._global_forward_hooks)())
+    value, change = _CHANGES[kind]()
+    holder = Holder(value)
+    prints = Fingerprints()
+    first = prints([holder])
+    modules = prints._last[0]
+    change()
+    assert prints(modules) == fingerprint(modules) != first

@@ -30,6 +30,8 @@ import enum
 import functools
 import types
 from collections.abc import Iterable
+from itertools import chain
+from operator import is_
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from torch import nn
 
 from .._compat import global_module_hooks, version
 
-__all__ = ["fingerprint", "structure"]
+__all__ = ["Fingerprints", "fingerprint", "structure"]
 
 #: Values visited per fingerprint before giving up (BERT-base reads about 10,000).
 _BUDGET = 1_000_000
@@ -91,30 +93,134 @@ def fingerprint(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
     >>> before == fingerprint([conv])
     False
     """
-    modules = list(modules)
+    return _fingerprint(list(modules))[0]
+
+
+def _fingerprint(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Watch]:
+    """:func:`fingerprint`, and a :class:`Watch` of what it read."""
     walk = _Walk()
     # Parameters and buffers by identity alone: an optimizer step or BatchNorm's running
     # statistics write them in place, and the graph reads their values at run time.
     # Submodules by identity too: each has a fingerprint of its own where it matters.
     registered = [walk.registered(vars(m)[table]) for m in modules for table in _REGISTERED]
-    own = [{k: v for k, v in vars(m).items() if k not in _REGISTERED} for m in modules]
-    return (tuple(registered), tuple(map(walk.value, own)), walk.value(global_module_hooks()),
-            _globals_read(modules), _Held(walk.held))
+    for m in modules:
+        walk.watch.dict(vars(m))
+    own = [walk.fields({k: v for k, v in vars(m).items() if k not in _REGISTERED}) for m in modules]
+    hooks = walk.watch.hooks = global_module_hooks()
+    key = (tuple(registered), tuple(own), walk.value(hooks), _globals_read(modules, walk.watch), _Held(walk.held))
+    return key, walk.watch
 
 
-def _globals_read(modules: list[nn.Module]) -> tuple[Any, ...]:
+class Watch:
+    """What one fingerprint's walk read, by identity: each dict, list, set and object it
+    walked (its keys and values, the same objects), each tensor's write count, each NumPy
+    array's bytes, each function's defaults and closure, each global a ``forward`` names.
+    While all of it is the same, the walk would read the same things and give the same
+    fingerprint. :meth:`unchanged` checks that in a few C calls in all (each kind of read is
+    kept flat, in one list), where the walk takes a Python call per value. It keeps every
+    object it compares alive, so that none other takes its identity."""
+
+    def __init__(self) -> None:
+        self.sized: list[Any] = []  # dicts, lists, sets: each of them, its length, its items
+        self.lengths: list[int] = []
+        self.items: list[Any] = []  # a dict's keys, then its values
+        self.owners: list[Any] = []  # an object, a function, a globals dict: where read, what
+        self.names: list[str] = []
+        self.found: list[Any] = []
+        self.tensors: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.arrays: list[tuple[Any, tuple[Any, ...]]] = []
+        self.empty: list[Any] = []  # containers that were empty (a module's hook tables)
+        self.hooks: tuple[Any, ...] = ()
+        #: the walk met what it cannot compare: the fingerprint is equal to nothing
+        self.unknown = False
+
+    def dict(self, d: dict[Any, Any]) -> None:
+        self.sized.append(d)
+        self.lengths.append(len(d))
+        self.items += d
+        self.items += d.values()
+
+    def sequence(self, seq: Any) -> None:
+        """A list or set, or a function's closure cells (:class:`_Cells`)."""
+        self.sized.append(seq)
+        self.lengths.append(len(seq))
+        self.items += seq
+
+    def attributes_of(self, obj: Any, names: tuple[str, ...]) -> None:
+        for name in names:
+            self.owners.append(obj)
+            self.names.append(name)
+            self.found.append(_read(obj, name))
+
+    def tensor(self, t: torch.Tensor) -> int:
+        self.tensors.append(t)
+        self.versions.append(version(t))
+        return self.versions[-1]
+
+    def unchanged(self) -> bool:
+        """Whether everything the walk read is still the same objects (tensors unwritten,
+        arrays' bytes alike): if so the fingerprint would be the same, if not it may not be."""
+        return not (
+            self.unknown or any(self.empty)
+            or not all(map(is_, global_module_hooks(), self.hooks))
+            or list(map(len, self.sized)) != self.lengths
+            or not all(map(is_, chain.from_iterable(map(_contents, self.sized)), self.items))
+            or not all(map(is_, map(_read, self.owners, self.names), self.found))
+            or list(map(version, self.tensors)) != self.versions
+            or any(_array(a) != b for a, b in self.arrays)
+        )
+
+
+def _contents(sized: Any) -> Any:
+    """What :meth:`Watch.dict` and :meth:`Watch.sequence` kept of ``sized``, in order."""
+    if isinstance(sized, dict):
+        return chain(sized, sized.values())
+    return sized
+
+
+def _read(owner: Any, name: str) -> Any:
+    """``owner``'s attribute ``name`` (a globals dict's entry), or a marker where it has none."""
+    if type(owner) is dict:
+        return owner.get(name, _MISSING)
+    return getattr(owner, name, _MISSING)
+
+
+class Fingerprints:
+    """:func:`fingerprint` of one list of modules at each call, walked again only where the
+    last walk's :class:`Watch` sees a change (the router's guard, at every call)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, tuple[Any, ...], Watch] | None = None
+
+    def __call__(self, modules: list[nn.Module]) -> tuple[Any, ...]:
+        last = self._last
+        if last is not None and last[0] is modules and last[2].unchanged():
+            return last[1]
+        key, watch = _fingerprint(modules)
+        self._last = (modules, key, watch)
+        return key
+
+
+_MISSING = object()
+
+
+def _globals_read(modules: list[nn.Module], watch: Watch) -> tuple[Any, ...]:
     """The module-level globals the ``forward`` of each of ``modules`` names, each distinct
     function once: plain values as they are, other objects by identity (held)."""
     seen: set[int] = set()
     names: list[tuple[str, Any]] = []
     held: list[Any] = []
     for m in modules:
+        watch.attributes_of(type(m), ("forward",))
         forward = vars(m).get("forward") or type(m).forward
         fn = getattr(forward, "__func__", forward)
         code, table = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
         if code is None or not isinstance(table, dict) or id(code) in seen:
             continue
         seen.add(id(code))
+        watch.attributes_of(fn, ("__code__", "__globals__"))
+        watch.attributes_of(table, _global_names(code))
         for name in _global_names(code):
             if name in table:
                 value = table[name]
@@ -194,44 +300,67 @@ class _Walk:
         self.seen: dict[int, int] = {}
         self.held: list[Any] = []
         self.left = _BUDGET
+        self.watch = Watch()
 
     def registered(self, table: dict[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """A module's table of parameters, buffers or submodules: names, and values by
         identity, in C (a sequence of a thousand layers is walked at every call)."""
         ids = tuple(map(id, table.values()))
         self.held.append(table.copy())
+        self.watch.dict(table)
         self.seen.update(zip(ids, ids, strict=True))
         return tuple(table), ids
 
     def value(self, v: Any) -> Any:
         self.left -= 1
         if self.left < 0:
-            return _Unknown()
+            return self.unknown()
         if type(v) in _PLAIN or isinstance(v, enum.Enum):
             return v
         if id(v) in self.seen:
             return ("ref", self.seen[id(v)])
         self.seen[id(v)] = len(self.seen)
         if isinstance(v, (nn.Module, torch.Tensor, type)):
-            return _Same(v), version(v) if isinstance(v, torch.Tensor) else None
+            if isinstance(v, torch.Tensor):
+                return _Same(v), self.watch.tensor(v)
+            return _Same(v), None
         if isinstance(v, dict):
-            self.left -= len(v)
-            return type(v), self.items(v), self.items(v.values())
+            self.watch.dict(v)
+            return self.fields(v)
         if isinstance(v, _CONTAINERS):
+            if not isinstance(v, (tuple, frozenset)):  # those cannot change; their items are watched
+                self.watch.sequence(v)
             self.left -= len(v)
             return type(v), self.items(sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v)
         if type(v).__module__ == "numpy" and hasattr(v, "tobytes"):
-            return type(v), str(v.dtype), getattr(v, "shape", ()), v.tobytes()
+            data = _array(v)
+            self.watch.arrays.append((v, data))
+            return type(v), *data
         if isinstance(v, types.MethodType):
             return types.MethodType, _Same(v.__func__), self.value(v.__self__)
         if isinstance(v, functools.partial):
+            self.watch.attributes_of(v, ("func", "args", "keywords"))
             return functools.partial, self.value(v.func), self.value(v.args), self.value(v.keywords)
         if isinstance(v, types.FunctionType):
             cells = tuple(_cell(c) for c in v.__closure__ or ())
-            return _Same(v), self.value((v.__defaults__, v.__kwdefaults__, cells))
+            self.watch.attributes_of(v, ("__defaults__", "__kwdefaults__", "__closure__"))
+            self.watch.sequence(_Cells(v.__closure__ or ()))
+            made = (v.__defaults__, v.__kwdefaults__, cells)
+            self.held.append(made)  # in seen by its id: kept, lest another object take it
+            return _Same(v), self.value(made)
         if isinstance(v, _FUNCTIONS):
             return _Same(v)
         return self.object(v)
+
+    def unknown(self) -> _Unknown:
+        self.watch.unknown = True
+        return _Unknown()
+
+    def fields(self, d: dict[Any, Any]) -> Any:
+        """A dict's items by value (the dict itself watched by the caller, where it is not a
+        copy)."""
+        self.left -= len(d)
+        return type(d), self.items(d), self.items(d.values())
 
     def items(self, values: Iterable[Any]) -> tuple[Any, ...]:
         """:meth:`item` of each value, in order; plain values alone are taken as they are,
@@ -248,19 +377,46 @@ class _Walk:
         if kind in _PLAIN:
             return v
         if kind in _EMPTIABLE and not v:
+            self.watch.empty.append(v)
             return kind
         return self.value(v)
 
     def object(self, v: Any) -> Any:
         """An object of another class: its attributes, by value."""
         fields = dict(vars(v)) if hasattr(v, "__dict__") else {}
-        for cls in type(v).__mro__:
-            for slot in getattr(cls, "__slots__", ()):
-                if hasattr(v, slot) and slot not in ("__dict__", "__weakref__"):
-                    fields[slot] = getattr(v, slot)
+        slots = tuple(
+            slot for cls in type(v).__mro__ for slot in getattr(cls, "__slots__", ())
+            if slot not in ("__dict__", "__weakref__")
+        )
+        for slot in slots:
+            if hasattr(v, slot):
+                fields[slot] = getattr(v, slot)
         if not fields and not hasattr(v, "__dict__"):
-            return _Unknown()  # no attributes to compare: a C object fxnx knows nothing of
-        return type(v), self.value(fields)
+            return self.unknown()  # no attributes to compare: a C object fxnx knows nothing of
+        self.watch.attributes_of(v, ("__dict__", *slots) if hasattr(v, "__dict__") else slots)
+        if hasattr(v, "__dict__"):
+            self.watch.dict(vars(v))
+        return type(v), self.fields(fields)  # a copy: not in seen, whose ids must stay taken
+
+
+def _array(v: Any) -> tuple[Any, ...]:
+    """A NumPy array or scalar by value: its dtype, shape and bytes."""
+    return str(v.dtype), getattr(v, "shape", ()), v.tobytes()
+
+
+class _Cells:
+    """A closure's cells' contents, read afresh each time (as a sequence for :class:`Watch`)."""
+
+    __slots__ = ("cells",)
+
+    def __init__(self, cells: tuple[Any, ...]) -> None:
+        self.cells = cells
+
+    def __len__(self) -> int:
+        return len(self.cells)
+
+    def __iter__(self) -> Any:
+        return map(_cell, self.cells)
 
 
 def _cell(cell: Any) -> Any:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._capture import TRACING_LOCK
-from .._capture.fingerprint import fingerprint, structure
+from .._capture.fingerprint import Fingerprints, structure
 from .._capture.inputs import bind_inputs, qualname
 from .._capture.ladder import Capture
 from .._capture.options import LeafSpec
@@ -220,6 +220,7 @@ class CreditRouter(nn.Module):
         #: with besides them (what convert fixes), where binding leaves the inputs as given.
         self._fixed: dict[int, dict[str, Any]] = {}
         self._watched: dict[int, list[nn.Module]] = {}
+        self._fingerprints = Fingerprints()  # of the watched modules, walked where they changed
         self._last = threading.local()  # this thread's last forward, for backward()
 
     @property
@@ -586,7 +587,7 @@ class CreditRouter(nn.Module):
         if watched is None:
             return object()  # never equal: key the whole structure again
         params = tuple(map(_REQUIRES_GRAD, self._plan.params.values())) if self._plan else ()
-        modules = structure(watched) if plain else fingerprint(watched)
+        modules = structure(watched) if plain else self._fingerprints(watched)
         return (inputs_key(inputs, kwargs, shapes=cap.shape_specialised), params, modules)
 
     def _choose(self, call: NodeCall) -> tuple[Any, str]:
