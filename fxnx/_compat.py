@@ -186,15 +186,6 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "the thread: right on the CPU, where a backward pass runs on its caller's thread",
     ),
     (
-        "torch._C._autograd._top_saved_tensors_default_hooks, "
-        "torch._C._autograd._saved_tensors_hooks_is_enabled, "
-        "grad_fn._raw_saved_mat2 (AddmmBackward0, MmBackward0)",
-        "weight transport on an nn.Linear with a 2-D input: B packed into the one tensor its "
-        "backward saves from W, one hook call each way, where hooks around the whole call "
-        "take two (saved_linear_weight)",
-        "the hooks around the whole call, as for every other layer (a little slower)",
-    ),
-    (
         "torch._foreach_norm",
         "route_credit's credit norms: the norm of every node's credit in one call",
         "torch.linalg.vector_norm once per node (the same values)",
@@ -399,48 +390,12 @@ def saved_tensors_hooks_calls() -> tuple[Callable[..., Any], Callable[[], Any]] 
     return (push, pop) if callable(push) and callable(pop) else None
 
 
-def saved_tensors_hooks_busy() -> bool:
-    """Whether a tensor saved now would not be saved as it is: saved-tensor hooks of the
-    caller's are active (a non-reentrant checkpoint's, which pack every tensor saved under
-    them) or hooks are disabled (inside ``torch.func`` transforms, whose own error then says
-    so); True where this torch cannot tell."""
-    if _TOP_HOOKS is None or _HOOKS_ENABLED is None:
-        return True
-    try:
-        return not _HOOKS_ENABLED() or _TOP_HOOKS(False) is not None
-    except TypeError:  # another signature
-        return True
-
-
-#: What saved_tensors_hooks_busy asks (it runs for every fast nn.Linear call), found once.
-_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_HOOKS_ENABLED = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-
-
 def graph_task() -> Callable[[], Any]:
     """A function naming the backward pass (autograd's graph task) that calls it: a hook on
     a parameter, which every thread's backward pass runs, tells its own pass from another's.
     Without it, the thread (a backward pass on the CPU runs on the thread that started it)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current if callable(current) else threading.get_ident
-
-
-def _linear_saves_weight() -> bool:
-    """Whether this torch's ``F.linear`` on a 2-D input exposes the ``W.T`` it saves."""
-    x = torch.zeros(1, 1, requires_grad=True)
-    with torch.enable_grad():
-        return getattr(torch.nn.functional.linear(x, torch.zeros(1, 1)).grad_fn, "_raw_saved_mat2", None) is not None
-
-
-#: Whether :func:`saved_linear_weight` can find ``W.T`` on this torch (checked once).
-LINEAR_SAVES_WEIGHT = _linear_saves_weight()
-
-
-def saved_linear_weight(out: torch.Tensor) -> Any:
-    """The saved-tensor handle (``register_hooks(pack, unpack)``) of ``W.T``, which
-    ``out = F.linear(x, W, b)`` on a 2-D ``x`` that requires grad saves for the input's
-    credit (``addmm``'s or ``mm``'s ``mat2``); None where this torch keeps it elsewhere."""
-    return getattr(out.grad_fn, "_raw_saved_mat2", None)
 
 
 def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

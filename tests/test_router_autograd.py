@@ -506,14 +506,17 @@ def test_a_rule_reads_what_the_forward_pass_left_or_refuses(written):
             out.sum().backward()
 
 
-def test_torch_func_transforms_are_refused_not_routed_exactly():
-    """torch.func's grad runs its own autograd, without saved-tensor hooks: a weight-transport
-    router under it raises (torch's words) rather than give backprop's credit."""
-    model = _mlp(5, 7, 3)
-    x = torch.randn(4, 5, dtype=f64)
+@pytest.mark.parametrize("layer", list(_LAYERS))
+def test_torch_func_transforms_are_refused_not_routed_exactly(layer):
+    """torch.func's grad runs its own autograd, without saved-tensor hooks and without
+    autograd functions that do not declare how: a weight-transport router under it raises
+    (torch's words) rather than give backprop's credit."""
+    make, shape = _LAYERS[layer]
+    model = make().double()
+    x = torch.randn(*shape, dtype=f64)
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
     router(x).sum().backward()
-    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+    with pytest.raises(RuntimeError, match="saved tensor hooks|setup_context"):
         torch.func.grad(lambda xx: router(xx).sum())(x.clone())
 
 

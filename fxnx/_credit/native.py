@@ -8,8 +8,9 @@ is swapped for the same view of the feedback weight ``B`` (a
 to the input and the exact credit to ``W`` and the bias (dropout inside the
 layer replays its own mask). The other tensors the layer saves are kept as they
 are; each saved tensor, ``B`` included, is checked for writes in place when
-unpacked, as autograd checks what it saves. An ``nn.Linear`` on a 2-D input has its hooks on the one tensor its
-backward saves from ``W`` instead (one hook call in each pass, not two).
+unpacked, as autograd checks what it saves. An ``nn.Linear`` that nothing hooks runs as
+an ``autograd.Function`` of its own instead (:class:`_Linear`: no hooks, and none of the
+module's frames).
 Sign symmetry's ``sign(W)·M`` is made in the backward pass, one layer at a time,
 and dropped after it. Under autocast, where the layer would save a cast copy of
 ``W``, and for a layer applied to its own weight, the node runs through its rule
@@ -26,11 +27,8 @@ import torch.fx as fx
 from torch import Tensor
 
 from .._compat import (
-    LINEAR_SAVES_WEIGHT,
     linear_parameters,
     pytree,
-    saved_linear_weight,
-    saved_tensors_hooks_busy,
     saved_tensors_hooks_calls,
     version,
 )
@@ -131,6 +129,8 @@ def _current(span: tuple[int, int, Tensor, Any, Any, int | None], given: Any) ->
 
 
 _HOOKS = saved_tensors_hooks_calls()
+#: what an nn.Linear's input may be to run as :class:`_Linear` (a subclass runs under hooks)
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 class _SignOf:
@@ -149,15 +149,19 @@ class _SignOf:
         if self.B is None:
             W = self.W
             if version(W) != self.version:
-                raise FxnxValueError(
-                    "a weight routed by sign symmetry was written in place (an optimizer step?) "
-                    "between the forward pass and its backward pass, which reads sign(W) as the "
-                    "forward pass saw it: call backward before changing the weights"
-                )
+                raise _sign_written(self.node)
             magnitudes, name = self.M
             B = signed(magnitudes, name, W.detach())
             self.B = B.as_strided(self.size, self.stride, B.storage_offset() + self.offset)
         return self.B
+
+
+def _sign_written(node: str) -> FxnxValueError:
+    return FxnxValueError(
+        f"node {node!r}: a weight routed by sign symmetry was written in place (an optimizer "
+        "step?) between the forward pass and its backward pass, which reads sign(W) as the "
+        "forward pass saw it: call backward before changing the weights"
+    )
 
 
 def _unpack(packed: Any) -> Tensor:
@@ -196,10 +200,8 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
     spec.use()
     # an nn.Linear that nothing hooks, on one positional input: its weight and bias
     params = linear_parameters(spec.linear) if spec.linear is not None and len(args) == 1 and not kwargs else None
-    if params is not None and LINEAR_SAVES_WEIGHT:
-        out = _linear(spec, args[0], params)
-        if out is not None:
-            return out
+    if params is not None and type(args[0]) in _PLAIN and params[0] is spec.spans[0][2]:
+        return _Linear.apply(args[0], *params, spec, spec.spans[0][3])
     if spec.call.module is not None and _reads_its_weight(spec, args, kwargs):
         # A layer applied to its own weight (fc(fc.weight)) saves W as its input too, for
         # W's credit, which must not read B: route it through its rule instead.
@@ -251,23 +253,53 @@ def _reads_its_weight(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str,
     return False
 
 
-def _linear(spec: NativeSpec, x: Any, params: tuple[Tensor, Tensor | None]) -> Any:
-    """An ``nn.Linear`` that nothing hooks (``params``, its weight and bias), on a 2-D input
-    that requires grad, where no saved-tensor hooks of the caller's are active:
-    ``F.linear``, then ``B`` packed into the one tensor its backward saves from ``W`` (``W.T``,
-    for the input's credit). That is one hook call in each pass where hooks around the whole
-    call take two (the input is saved as autograd saves it). None where any of that does not
-    hold, or ``W`` was not what it saved (a replaced weight): the call runs again under
-    hooks, where that is named."""
-    if type(x) is not Tensor or x.dim() != 2 or not x.requires_grad or saved_tensors_hooks_busy():
-        return None
-    out = torch.nn.functional.linear(x, *params)
-    saved = saved_linear_weight(out)
-    if saved is None:
-        return None
-    hits = spec.hits
-    saved.register_hooks(spec.pack, _unpack)
-    return out if spec.hits != hits else None
+class _Linear(torch.autograd.Function):
+    """``F.linear(x, W, b)`` for an ``nn.Linear`` that nothing hooks, whose backward sends
+    ``credit·B`` to ``x`` and the exact credit to ``W`` and ``b``, as autograd computes them
+    (``credit.T @ x``, the credit summed). ``x`` (and, for sign symmetry, ``W``) is saved as
+    autograd saves it: through the caller's saved-tensor hooks (a checkpoint's), and checked for
+    writes in place when read, the error naming the node. ``B`` is held as it is, its write
+    counter checked; sign symmetry's ``sign(W)·M`` is made in the backward pass."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, W: Tensor, b: Tensor | None, spec: NativeSpec, feedback: Any) -> Tensor:  # type: ignore[override]
+        if spec.signs:
+            ctx.save_for_backward(x, W)
+            ctx.stamp = version(W)
+        else:
+            ctx.save_for_backward(x)
+            ctx.stamp = version(feedback)
+        ctx.spec, ctx.feedback = spec, feedback
+        return torch.nn.functional.linear(x, W, b)
+
+    @staticmethod
+    def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        spec = ctx.spec
+        node = spec.call.name
+        _first_order(node)
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as error:  # autograd's own check, on what the forward pass saved
+            if spec.signs and version(spec.spans[0][2]) != ctx.stamp:
+                raise _sign_written(node) from None
+            raise RuntimeError(f"node {node!r}: {error}") from None
+        x = saved[0]
+        if spec.signs:
+            magnitudes, name = ctx.feedback
+            B = signed(magnitudes, name, saved[1].detach())
+        else:
+            B = ctx.feedback
+            if version(B) != ctx.stamp:
+                raise RuntimeError(feedback_written(node))
+        needs = ctx.needs_input_grad
+        flat = credit.reshape(-1, credit.shape[-1])
+        return (
+            credit @ B if needs[0] else None,
+            flat.T @ x.reshape(-1, x.shape[-1]) if needs[1] else None,
+            flat.sum(0) if needs[2] else None,
+            None,
+            None,
+        )
 
 
 def _run(spec: NativeSpec, params: tuple[Tensor, Tensor | None] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
