@@ -677,3 +677,76 @@ def test_a_transformer_layer_trains_under_autocast_with_every_transport_rule(rul
     for name, g in grads[1].items():
         assert g.dtype == torch.float32, name
         assert (g - grads[0][name]).norm() <= 0.1 * grads[0][name].norm() + 1e-6, name
+
+
+def test_weight_transport_on_a_complex_linear_gives_autograd_its_weight_credit():
+    """A complex layer's exact weight credit is ``creditᵀ·conj(x)``: the router's own linear
+    backward once gave ``creditᵀ·x``, silently. Oracle: autograd on the model; the input's
+    credit is ``credit·conj(B)``, as autograd's backward with ``B`` for ``W`` gives it."""
+    torch.manual_seed(0)
+    c128 = torch.complex128
+    model = nn.Sequential(nn.Linear(4, 3, dtype=c128))
+    x = torch.randn(5, 4, dtype=c128)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=0)
+    xx = x.clone().requires_grad_()
+    out = router(xx)
+    g = torch.randn_like(out)
+    out.backward(g)
+    got = model[0].weight.grad.clone()
+    model.zero_grad()
+    model(x).backward(g)
+    torch.testing.assert_close(got, model[0].weight.grad, rtol=1e-12, atol=0)
+    torch.testing.assert_close(xx.grad, g @ router.feedback["_0"].conj(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 5, 4)])
+def test_a_linear_whose_output_is_a_view_can_be_written_in_place(shape):
+    """``F.linear`` on a 1-D or 3-D input returns a view, which an autograd function may not
+    return if anything writes it in place (an in-place ReLU after the layer, a write into the
+    router's output). Oracle: feedback alignment written out by hand."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3)).double()
+    x = torch.randn(*shape, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=0)
+    out = router(x)
+    out.div_(2)
+    out.sum().backward()
+    B2 = router.feedback["_2"]
+    pre = F.linear(x, model[0].weight, model[0].bias).detach()
+    h = pre.relu()
+    g2 = torch.full((*shape[:-1], 3), 0.5, dtype=f64)
+    g1 = (g2 @ B2) * (pre > 0)
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    torch.testing.assert_close(model[2].weight.grad, flat(g2).T @ flat(h), rtol=1e-12, atol=0)
+    torch.testing.assert_close(model[0].weight.grad, flat(g1).T @ flat(x), rtol=1e-12, atol=0)
+
+
+def test_what_an_input_without_credit_does_not_read_is_not_checked():
+    """An input that takes no credit reads neither ``B`` nor ``sign(W)``: a weight written
+    before the backward pass, or ``create_graph=True``, is no reason to refuse (autograd
+    would not). Oracle: the exact weight credit ``creditᵀ·x``, by hand."""
+    torch.manual_seed(0)
+    for rule in ("usf", "feedback_alignment"):
+        model = nn.Sequential(nn.Linear(4, 3)).double()
+        x = torch.randn(5, 4, dtype=f64)
+        router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, seed=0)
+        out = router(x)
+        with torch.no_grad():
+            model[0].weight.mul_(-1)
+        (gW,) = torch.autograd.grad(out.pow(2).sum(), model[0].weight, create_graph=True)
+        torch.testing.assert_close(gW, (2 * out).T @ x, rtol=1e-12, atol=0)
+
+
+def test_forward_mode_derivatives_through_weight_transport_are_the_models():
+    """Rules change the backward pass only: forward-mode AD through the router gives the
+    model's own tangent (oracle: forward-mode AD on the model)."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, t = torch.randn(2, 4, dtype=f64), torch.randn(2, 4, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=0)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(router(fwAD.make_dual(x, t))).tangent
+        want = fwAD.unpack_dual(model(fwAD.make_dual(x, t))).tangent
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

@@ -8,8 +8,8 @@ is swapped for the same view of the feedback weight ``B`` (a
 to the input and the exact credit to ``W`` and the bias (dropout inside the
 layer replays its own mask). The other tensors the layer saves are kept as they
 are; each saved tensor, ``B`` included, is checked for writes in place when
-unpacked, as autograd checks what it saves. An ``nn.Linear`` that nothing hooks runs as
-an ``autograd.Function`` of its own instead (:class:`_Linear`: no hooks, and none of the
+unpacked, as autograd checks what it saves. An ``nn.Linear`` that nothing hooks, on a 2-D
+real input, runs as an ``autograd.Function`` of its own instead (:class:`_Linear`: no hooks, and none of the
 module's frames).
 Sign symmetry's ``sign(W)·M`` is made in the backward pass, one layer at a time,
 and dropped after it. Under autocast, where the layer would save a cast copy of
@@ -201,7 +201,9 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
     # an nn.Linear that nothing hooks, on one positional input: its weight and bias
     params = linear_parameters(spec.linear) if spec.linear is not None and len(args) == 1 and not kwargs else None
     if params is not None and type(args[0]) in _PLAIN and params[0] is spec.spans[0][2]:
-        return _Linear.apply(args[0], *params, spec, spec.spans[0][3])
+        x = args[0]
+        if x.dim() == 2 and params[0].is_floating_point():  # F.linear's output is no view
+            return _Linear.apply(x, *params, spec, spec.spans[0][3])
     if spec.call.module is not None and _reads_its_weight(spec, args, kwargs):
         # A layer applied to its own weight (fc(fc.weight)) saves W as its input too, for
         # W's credit, which must not read B: route it through its rule instead.
@@ -254,52 +256,62 @@ def _reads_its_weight(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str,
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear(x, W, b)`` for an ``nn.Linear`` that nothing hooks, whose backward sends
-    ``credit·B`` to ``x`` and the exact credit to ``W`` and ``b``, as autograd computes them
-    (``credit.T @ x``, the credit summed). ``x`` (and, for sign symmetry, ``W``) is saved as
-    autograd saves it: through the caller's saved-tensor hooks (a checkpoint's), and checked for
-    writes in place when read, the error naming the node. ``B`` is held as it is, its write
-    counter checked; sign symmetry's ``sign(W)·M`` is made in the backward pass."""
+    """``F.linear(x, W, b)`` for an ``nn.Linear`` that nothing hooks, on a 2-D real input,
+    whose backward sends ``credit·B`` to ``x`` and the exact credit to ``W`` and ``b``, as
+    autograd computes them (``creditᵀ·x``, the credit summed); forward-mode derivatives are
+    ``F.linear``'s own. ``x`` (and, for sign symmetry where ``x`` takes credit, ``W``) is
+    saved as autograd saves it: through the caller's saved-tensor hooks (a checkpoint's), and
+    checked for writes in place when read, the error naming the node. ``B`` is held as it is,
+    its write counter checked where the input's credit reads it; sign symmetry's ``sign(W)·M``
+    is made in the backward pass."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, W: Tensor, b: Tensor | None, spec: NativeSpec, feedback: Any) -> Tensor:  # type: ignore[override]
-        if spec.signs:
+        if spec.signs and x.requires_grad:
             ctx.save_for_backward(x, W)
             ctx.stamp = version(W)
         else:
             ctx.save_for_backward(x)
-            ctx.stamp = version(feedback)
+            ctx.stamp = None if spec.signs else version(feedback)
         ctx.spec, ctx.feedback = spec, feedback
+        ctx.save_for_forward(x, W)
         return torch.nn.functional.linear(x, W, b)
 
     @staticmethod
     def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         spec = ctx.spec
         node = spec.call.name
-        _first_order(node)
+        needs = ctx.needs_input_grad
         try:
             saved = ctx.saved_tensors
         except RuntimeError as error:  # autograd's own check, on what the forward pass saved
-            if spec.signs and version(spec.spans[0][2]) != ctx.stamp:
+            if spec.signs and ctx.stamp is not None and version(spec.spans[0][2]) != ctx.stamp:
                 raise _sign_written(node) from None
             raise RuntimeError(f"node {node!r}: {error}") from None
         x = saved[0]
-        if spec.signs:
-            magnitudes, name = ctx.feedback
-            B = signed(magnitudes, name, saved[1].detach())
-        else:
-            B = ctx.feedback
-            if version(B) != ctx.stamp:
-                raise RuntimeError(feedback_written(node))
-        needs = ctx.needs_input_grad
-        flat = credit.reshape(-1, credit.shape[-1])
-        return (
-            credit @ B if needs[0] else None,
-            flat.T @ x.reshape(-1, x.shape[-1]) if needs[1] else None,
-            flat.sum(0) if needs[2] else None,
-            None,
-            None,
-        )
+        sent = None
+        if needs[0]:
+            _first_order(node)
+            if spec.signs:
+                magnitudes, name = ctx.feedback
+                B = signed(magnitudes, name, saved[1].detach())
+            else:
+                B = ctx.feedback
+                if version(B) != ctx.stamp:
+                    raise RuntimeError(feedback_written(node))
+            sent = credit @ B
+        return sent, credit.T @ x if needs[1] else None, credit.sum(0) if needs[2] else None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tx: Tensor | None, tW: Tensor | None, tb: Tensor | None, *_: Any) -> Tensor:
+        x, W = ctx.saved_tensors  # what forward saved for forward mode
+        terms = [torch.nn.functional.linear(t, w) for t, w in ((tx, W), (x, tW)) if t is not None and w is not None]
+        if tb is not None:
+            terms.append(tb.expand(x.shape[0], -1))
+        out = terms[0]
+        for term in terms[1:]:
+            out = out + term
+        return out
 
 
 def _run(spec: NativeSpec, params: tuple[Tensor, Tensor | None] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
