@@ -173,7 +173,22 @@ _CHANGES = {  # an attribute of each kind the walk reads by other means than ==,
     "set": lambda: (s := {1, 2}, lambda: s.add(3)),
     "global_hook": lambda: (None, lambda: nn.modules.module.register_module_forward_hook(lambda *a: None)),
     "class_forward": lambda: (None, lambda: setattr(Holder, "forward", lambda self, x: x)),
+    "object_class": lambda: (c := _Config(x=1), lambda: setattr(c, "__class__", _Other)),
+    "module_dict": lambda: (None, lambda holder: setattr(holder, "__dict__", {**vars(holder), "value": 2})),
+    "module_class": lambda: (None, lambda holder: setattr(holder, "__class__", _OtherHolder)),
 }
+
+
+class _Other:
+    x = 5
+
+
+_SCALE = 3.0
+
+
+class _OtherHolder(Holder):
+    def forward(self, x):
+        return x * _SCALE
 
 
 @pytest.mark.parametrize("kind", list(_CHANGES))
@@ -186,5 +201,22 @@ def test_the_routers_fingerprints_see_every_kind_of_change(kind, monkeypatch):
     prints = Fingerprints()
     first = prints([holder])
     modules = prints._last[0]
-    change()
+    change(holder) if change.__code__.co_argcount else change()
+    assert prints(modules) == fingerprint(modules) != first
+
+
+def test_the_routers_fingerprints_see_a_global_rebound_in_a_dict_subclass():
+    """A forward defined in globals that are a dict subclass (code run with exec)."""
+
+    class Globals(dict):
+        pass
+
+    table = Globals(SCALE=2.0)
+    exec("def forward(self, x):\n    return x * SCALE", table)
+    holder = Holder(None)
+    holder.forward = table["forward"].__get__(holder)
+    prints = Fingerprints()
+    modules = [holder]
+    first = prints(modules)
+    table["SCALE"] = 3.0
     assert prints(modules) == fingerprint(modules) != first

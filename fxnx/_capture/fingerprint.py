@@ -104,6 +104,7 @@ def _fingerprint(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Watch]:
     # Submodules by identity too: each has a fingerprint of its own where it matters.
     registered = [walk.registered(vars(m)[table]) for m in modules for table in _REGISTERED]
     for m in modules:
+        walk.watch.attributes_of(m, ("__class__", "__dict__"))
         walk.watch.dict(vars(m))
     own = [walk.fields({k: v for k, v in vars(m).items() if k not in _REGISTERED}) for m in modules]
     hooks = walk.watch.hooks = global_module_hooks()
@@ -181,7 +182,7 @@ def _contents(sized: Any) -> Any:
 
 def _read(owner: Any, name: str) -> Any:
     """``owner``'s attribute ``name`` (a globals dict's entry), or a marker where it has none."""
-    if type(owner) is dict:
+    if isinstance(owner, dict):  # a forward's globals (objects read here are never dicts)
         return owner.get(name, _MISSING)
     return getattr(owner, name, _MISSING)
 
@@ -393,7 +394,7 @@ class _Walk:
                 fields[slot] = getattr(v, slot)
         if not fields and not hasattr(v, "__dict__"):
             return self.unknown()  # no attributes to compare: a C object fxnx knows nothing of
-        self.watch.attributes_of(v, ("__dict__", *slots) if hasattr(v, "__dict__") else slots)
+        self.watch.attributes_of(v, ("__class__", "__dict__", *slots) if hasattr(v, "__dict__") else ("__class__", *slots))
         if hasattr(v, "__dict__"):
             self.watch.dict(vars(v))
         return type(v), self.fields(fields)  # a copy: not in seen, whose ids must stay taken
