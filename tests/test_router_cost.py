@@ -197,3 +197,35 @@ def test_a_router_follows_every_config_field_changed_between_calls(rule):
         for owner, field in ((config, "shift"), (config.inner, "scale")):
             setattr(owner, field, getattr(owner, field) + 0.5)
             assert torch.equal(router(x), model(x)), field
+
+
+class _Doubling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x) * 2.0
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = _Doubling()
+
+    def forward(self, x):
+        return self.sub(x)
+
+
+def test_a_router_follows_a_forward_patched_on_a_traced_through_class(monkeypatch):
+    """A traced-through module's class given another forward that names the same globals
+    (none): the router's output is the model's own (the oracle: the model run eagerly). The
+    guard had compared the globals a forward names, not which forward it is, and reused the
+    graph of the old one."""
+    torch.manual_seed(0)
+    model, x = _Outer().double(), torch.randn(2, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=0)
+    router(x)
+    router(x)
+    monkeypatch.setattr(_Doubling, "forward", lambda self, x: self.fc(x) * 3.0)
+    assert torch.equal(router(x), model(x))

@@ -207,8 +207,8 @@ _MISSING = object()
 
 
 def _globals_read(modules: list[nn.Module], watch: Watch) -> tuple[Any, ...]:
-    """The module-level globals the ``forward`` of each of ``modules`` names, each distinct
-    function once: plain values as they are, other objects by identity (held)."""
+    """Each of ``modules``' ``forward`` by identity, and the module-level globals each names,
+    each distinct function once: plain values as they are, other objects by identity (held)."""
     seen: set[int] = set()
     names: list[tuple[str, Any]] = []
     held: list[Any] = []
@@ -216,6 +216,8 @@ def _globals_read(modules: list[nn.Module], watch: Watch) -> tuple[Any, ...]:
         watch.attributes_of(type(m), ("forward",))
         forward = vars(m).get("forward") or type(m).forward
         fn = getattr(forward, "__func__", forward)
+        names.append(("forward", id(fn)))  # which forward (one patched on the class is another)
+        held.append(fn)
         code, table = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
         if code is None or not isinstance(table, dict) or id(code) in seen:
             continue
