@@ -386,7 +386,8 @@ class _Walk:
 
     def object(self, v: Any) -> Any:
         """An object of another class: its attributes, by value."""
-        fields = dict(vars(v)) if hasattr(v, "__dict__") else {}
+        has_dict = hasattr(v, "__dict__")
+        fields = dict(vars(v)) if has_dict else {}
         slots = tuple(
             slot for cls in type(v).__mro__ for slot in getattr(cls, "__slots__", ())
             if slot not in ("__dict__", "__weakref__")
@@ -394,10 +395,10 @@ class _Walk:
         for slot in slots:
             if hasattr(v, slot):
                 fields[slot] = getattr(v, slot)
-        if not fields and not hasattr(v, "__dict__"):
+        if not fields and not has_dict:
             return self.unknown()  # no attributes to compare: a C object fxnx knows nothing of
-        self.watch.attributes_of(v, ("__class__", "__dict__", *slots) if hasattr(v, "__dict__") else ("__class__", *slots))
-        if hasattr(v, "__dict__"):
+        self.watch.attributes_of(v, ("__class__", "__dict__", *slots) if has_dict else ("__class__", *slots))
+        if has_dict:
             self.watch.dict(vars(v))
         return type(v), self.fields(fields)  # a copy: not in seen, whose ids must stay taken
 

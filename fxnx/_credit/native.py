@@ -13,7 +13,8 @@ real input, runs as an ``autograd.Function`` of its own instead (:class:`_Linear
 module's frames).
 Sign symmetry's ``sign(W)·M`` is made in the backward pass, one layer at a time,
 and dropped after it. Under autocast, where the layer would save a cast copy of
-``W``, and for a layer applied to its own weight, the node runs through its rule
+``W``, and for a layer applied to its own weight (but a 2-D ``nn.Linear``, whose
+:class:`_Linear` keeps its input and ``B`` apart), the node runs through its rule
 instead (:mod:`.ruled`). A backward pass that records its own graph
 (``create_graph=True``) through ``B`` is refused.
 """
