@@ -548,3 +548,144 @@ def test_dfa_defers_a_send_that_the_backward_pass_reaches_past_one_made_at_the_o
                if isinstance(v, taps.TapSpec)}.values()
     received = {spec.pairs[j][0].call.name for j in range(len(spec.pairs)) if j not in spec.unreached}
     assert "_2" in received and not spec.unreached  # _2 is reached only from _4's projection
+
+
+def _dfa_by_hand(model, x, e, fb):
+    """Direct feedback alignment's weight credit on ``_mlp(5, 7, 6, 3)`` written out: each
+    hidden layer's output credit is ``e·B`` through its tanh, the last layer's is ``e``."""
+    W0, b0 = model[0].weight.detach(), model[0].bias.detach()
+    W1, b1 = model[2].weight.detach(), model[2].bias.detach()
+    a0 = torch.tanh(x @ W0.T + b0)
+    a1 = torch.tanh(a0 @ W1.T + b1)
+    d1, d0 = (e @ fb["_4"]) * (1 - a1**2), (e @ fb["_2"]) * (1 - a0**2)
+    return {"4.weight": e.T @ a1, "4.bias": e.sum(0), "2.weight": d1.T @ a0, "2.bias": d1.sum(0),
+            "0.weight": d0.T @ x, "0.bias": d0.sum(0)}
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_dfa_on_linear_layers_by_hand_as_one_function_and_as_the_layer(hooked):
+    """A 2-D ``nn.Linear`` under direct feedback alignment runs as one autograd function
+    (its input's projection and the layer); a hooked one as the layer on its input detached,
+    then the projection. Both give the credit written out by hand, through loss.backward()."""
+    model = _mlp(5, 7, 6, 3)
+    if hooked:  # a forward hook keeps a layer a module call: the general path
+        for layer in (model[2], model[4]):
+            layer.register_forward_hook(lambda *_: None)
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+    out = router(x)
+    kinds = {type(fn).__name__ for fn in _grad_fns(out)}
+    assert ("_DirectLinearBackward" in kinds) is not hooked
+    (out * e).sum().backward()
+    want = _dfa_by_hand(model, x, e, router.feedback)
+    for name, p in model.named_parameters():
+        assert rel_error(p.grad, want[name]) <= 1e-12, name
+
+
+def _grad_fns(t):
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo += [f for f, _ in fn.next_functions]
+    return seen
+
+
+def test_dfa_on_a_linear_layer_under_a_checkpoint_and_with_frozen_parts():
+    """The one-function path saves its input through the caller's saved-tensor hooks (a
+    non-reentrant checkpoint recomputes it) and sends credit only where it is wanted: a
+    frozen weight gets none, a layer without bias works, the input still gets its projection."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6, bias=False), nn.Tanh(), nn.Linear(6, 3)).double()
+    model[2].weight.requires_grad_(False)
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+    (router(x) * e).sum().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    out = torch.utils.checkpoint.checkpoint(router, x, use_reentrant=False)
+    (out * e).sum().backward()
+    assert model[2].weight.grad is None
+    fb = router.feedback
+    a0 = torch.tanh(model[0](x)).detach()
+    a1 = torch.tanh(model[2](a0)).detach()
+    d0 = (e @ fb["_2"]) * (1 - a0**2)
+    assert rel_error(model[0].weight.grad, d0.T @ x) <= 1e-12
+    assert rel_error(model[4].weight.grad, e.T @ a1) <= 1e-12
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.grad, plain[name]), name
+
+
+def test_dfa_on_a_linear_layer_refuses_its_input_written_before_backward():
+    """As autograd refuses a write into a tensor it saved: the one-function path checks its
+    saved input, and the error names the node."""
+    model = _mlp(5, 7, 3)
+    leaf = torch.randn(4, 5, dtype=f64, requires_grad=True)
+    router = fxnx.CreditRouter(fxnx.convert(model, leaf.detach()), model, rule="direct_feedback_alignment")
+    router(leaf.clone())  # a first call, which draws the feedback (and runs on a copy)
+    x = leaf.clone()  # a value the router reads as it is (a leaf is taken as a copy)
+    out = router(x)
+    assert "_DirectLinearBackward" in {type(fn).__name__ for fn in _grad_fns(out)}
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="node '_0'.*modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dfa_on_linear_layers_over_tokens_by_hand(inplace):
+    """Linear layers on (batch, tokens, features) inputs, as in a transformer, under direct
+    feedback alignment: each hidden input gets ``e·B`` reshaped to its shape, each weight
+    ``creditᵀ·x`` summed over batch and tokens. An in-place activation after a layer (which
+    writes into F.linear's output, a view for a 3-D input) gives the same credit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=inplace), nn.Linear(7, 6), nn.Tanh(),
+                          nn.Linear(6, 3), nn.Flatten()).double()
+    x, e = torch.randn(4, 2, 5, dtype=f64), torch.randn(4, 6, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+    out = router(x)
+    assert "_DirectLinearBackward" in {type(fn).__name__ for fn in _grad_fns(out)}
+    (out * e).sum().backward()
+    fb = router.feedback
+    a0 = torch.relu(x @ model[0].weight.detach().T + model[0].bias.detach())
+    a1 = torch.tanh(a0 @ model[2].weight.detach().T + model[2].bias.detach())
+    d1 = (e @ fb["_4"].reshape(6, -1)).reshape(4, 2, 6) * (1 - a1**2)  # B: (output, tokens·features)
+    d0 = (e @ fb["_2"].reshape(6, -1)).reshape(4, 2, 7) * (a0 > 0)
+    want = {"4.weight": e.reshape(4, 2, 3).reshape(8, 3).T @ a1.reshape(8, 6), "4.bias": e.reshape(8, 3).sum(0),
+            "2.weight": d1.reshape(8, 6).T @ a0.reshape(8, 7), "2.bias": d1.reshape(8, 6).sum(0),
+            "0.weight": d0.reshape(8, 7).T @ x.reshape(8, 5), "0.bias": d0.reshape(8, 7).sum(0)}
+    for name, p in model.named_parameters():
+        assert rel_error(p.grad, want[name]) <= 1e-12, name
+
+
+def test_dfa_on_f_linear_by_hand():
+    """``F.linear`` on a module's parameters (a symbolic trace records it as a function) under
+    direct feedback alignment, with and without a bias: the credit written out by hand."""
+
+    class Functional(nn.Module):
+        def __init__(self, reference: nn.Sequential) -> None:
+            super().__init__()
+            self.w0, self.b0 = reference[0].weight, reference[0].bias
+            self.w2 = reference[2].weight
+            self.w4, self.b4 = reference[4].weight, reference[4].bias
+
+        def forward(self, x):
+            h = torch.tanh(nn.functional.linear(x, self.w0, self.b0))
+            h = torch.tanh(nn.functional.linear(h, self.w2))
+            return nn.functional.linear(h, self.w4, self.b4)
+
+    reference = _mlp(5, 7, 6, 3)
+    model = Functional(reference)
+    x, e = torch.randn(4, 5, dtype=f64), torch.randn(4, 3, dtype=f64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+    out = router(x)
+    assert "_DirectLinearBackward" in {type(fn).__name__ for fn in _grad_fns(out)}
+    (out * e).sum().backward()
+    fb = {"_2": router.feedback["linear_1"], "_4": router.feedback["linear_2"]}  # the 2nd and 3rd linear
+    with torch.no_grad():
+        reference[2].bias.zero_()  # the functional model's second layer has none
+    want = _dfa_by_hand(reference, x, e, fb)
+    for name, p in model.named_parameters():
+        assert rel_error(p.grad, want[{"w0": "0.weight", "b0": "0.bias", "w2": "2.weight", "w4": "4.weight",
+                                       "b4": "4.bias"}[name]]) <= 1e-12, name

@@ -46,13 +46,13 @@ from .._capture.tracer import NO_GRAD, is_torch_nn
 from .._compat import pytree
 from .._errors import FxnxValueError
 from .faithful import Probe, differs
-from .kinds import NATIVE_FUNCTIONS, WEIGHTED_MODULES
+from .kinds import LINEAR_FUNCTIONS, NATIVE_FUNCTIONS, WEIGHTED_MODULES
 from .native import NativeSpec, native_call
 from .nodecall import NodeCall, call_target, run_node, runs_out_of_place
 from .plan import Entry, Plan
 from .ruled import FunctionSpec, detached, function_call, rebuilt
 from .rules import DirectFeedbackAlignment, Exact, RoutingState, Transport
-from .taps import TapSpec, receive, tap_output
+from .taps import TapSpec, direct_f_linear, direct_linear, receive, tap_output
 
 __all__ = ["Graft", "graft"]
 
@@ -279,6 +279,15 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             # Out of place, where nothing reads what it writes: the credit of a written value
             # is its own (collect), and a cut input must not be written through its detached alias.
             value = graph.call_function(_out_of_place, (constant("node", entry), *_occurrence_values(node, env, cut, graph)))
+        elif kind == "direct" and _one_linear(entry, projected) and node.name in credited and node.name not in at_output:
+            # Its input's projection and the layer in one autograd function (where it can be)
+            x, rest = occ[0], args[1:]
+            graph.erase_node(args[0])  # the input detached: direct_linear detaches it where needed
+            if node.op == "call_module":
+                value = graph.call_function(direct_linear, (tap(), routing_state(), sent[0], graph.get_attr(cast(str, node.target)), x))
+            else:
+                value = graph.call_function(direct_f_linear, (tap(), routing_state(), sent[0], x, *rest))
+            sent = []
         else:
             value = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
         if sent and node.name in credited and node.name not in at_output:
@@ -333,6 +342,22 @@ def _credited(plan: Plan) -> set[str]:
             if k not in entry.cut and (passes or k in projected):
                 credited.add(source)
     return credited
+
+
+def _one_linear(entry: Entry, projected: list[int]) -> bool:
+    """Whether ``entry`` is an ``nn.Linear`` called on one input, or ``F.linear`` on an input
+    and parameters (no view of them between), the input its only projected one and no edge
+    into it removed from ``G`` (:mod:`.taps` runs it as one autograd function)."""
+    node, call = entry.node, entry.call
+    if projected != [0] or entry.cut or node.kwargs:
+        return False
+    if node.op == "call_module":
+        return type(call.module) is torch.nn.Linear and len(node.args) == 1
+    try:
+        linear = node.op == "call_function" and node.target in LINEAR_FUNCTIONS
+    except TypeError:  # an unhashable callable
+        return False
+    return linear and len(node.args) in (2, 3) and not call.param_views and set(call.param_inputs) == set(range(1, len(node.args)))
 
 
 def _projected(entry: Entry) -> set[int]:

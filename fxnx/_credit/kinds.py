@@ -47,6 +47,8 @@ WEIGHTED_FUNCTIONS = (
     _aten.addmm.default, _aten.baddbmm.default, _aten.bmm.default, _aten.einsum.default,
     _aten.matmul.default, _aten.mm.default,
 )
+#: ``F.linear`` as a symbolic trace and as ``torch.export`` record it.
+LINEAR_FUNCTIONS = frozenset({F.linear, _aten.linear.default})
 #: Those whose autograd backward reads the weight only through tensors it saved, so that
 #: swapping them for ``B`` is weight transport: all but the batched products and einsum.
 NATIVE_FUNCTIONS = frozenset(WEIGHTED_FUNCTIONS) - {

@@ -130,8 +130,9 @@ def _current(span: tuple[int, int, Tensor, Any, Any, int | None], given: Any) ->
 
 
 _HOOKS = saved_tensors_hooks_calls()
-#: what an nn.Linear's input may be to run as :class:`_Linear` (a subclass runs under hooks)
-_PLAIN = (Tensor, torch.nn.Parameter)
+#: what an nn.Linear's input may be to run as one autograd function (:class:`_Linear`,
+#: :class:`.taps._DirectLinear`): a subclass runs under hooks or as the module
+PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 class _SignOf:
@@ -201,7 +202,7 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
     spec.use()
     # an nn.Linear that nothing hooks, on one positional input: its weight and bias
     params = linear_parameters(spec.linear) if spec.linear is not None and len(args) == 1 and not kwargs else None
-    if params is not None and type(args[0]) in _PLAIN and params[0] is spec.spans[0][2]:
+    if params is not None and type(args[0]) in PLAIN_TENSORS and params[0] is spec.spans[0][2]:
         x = args[0]
         if x.dim() == 2 and params[0].is_floating_point():  # F.linear's output is no view
             return _Linear.apply(x, *params, spec, spec.spans[0][3])

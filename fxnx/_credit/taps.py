@@ -5,8 +5,9 @@ get exact credit; :mod:`.graft`); an autograd function at the model's output
 (:class:`_Tap`) takes ``e``, the credit there (kept for every rule's state too),
 and one on the layer's output (:class:`_Receive`) sends each such input ``e·B``
 when the backward pass reaches the layer (one projection alive at a time, as
-exact credit would be). A layer whose output is written in place, or that no
-edge of ``G`` joins to the output, gets its ``e·B`` at the output.
+exact credit would be). An ``nn.Linear`` is both in one autograd function
+(:class:`_DirectLinear`). A layer whose output is written in place, or
+that no edge of ``G`` joins to the output, gets its ``e·B`` at the output.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import pytree
+from .._compat import linear_parameters, pytree
 from .._errors import FxnxValueError
 from .feedback import check_bytes, readable
+from .native import PLAIN_TENSORS
 from .plan import Entry
+from .ruled import detached
 from .rules import RoutingState
 
 
@@ -140,20 +143,83 @@ class _Receive(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        e, spec = ctx.state._direct, ctx.spec
-        if e is None:  # the output's tap sets it: the backward pass always passes it first
-            entry, _ = spec.pairs[ctx.places[0]]
-            raise FxnxValueError(
-                f"direct feedback alignment at node {entry.call.name!r}: credit reached it by "
-                "a path that does not pass through the router's output; compute the loss from "
-                "the output router(...) returned"
-            )
+        e, spec = _output_credit(ctx), ctx.spec
         needs = ctx.needs_input_grad[4:]
         sent = [
             spec.send(j, e, shape, dtype) if needed else None
             for j, shape, dtype, needed in zip(ctx.places, ctx.shapes, ctx.dtypes, needs, strict=True)
         ]
         return (None, None, None, credit, *sent)
+
+
+def _output_credit(ctx: Any) -> Tensor:
+    """``e``, the output's credit, which the output's tap sets before the backward pass
+    reaches any node (``ctx`` is a node's, receiving at ``ctx.places``)."""
+    e = ctx.state._direct
+    if e is None:
+        entry, _ = ctx.spec.pairs[ctx.places[0]]
+        raise FxnxValueError(
+            f"direct feedback alignment at node {entry.call.name!r}: credit reached it by "
+            "a path that does not pass through the router's output; compute the loss from "
+            "the output router(...) returned"
+        )
+    return e
+
+
+def direct_linear(spec: TapSpec, state: RoutingState, place: int, layer: torch.nn.Linear, x: Any) -> Any:
+    """``layer(x)``, an ``nn.Linear`` whose input gets its projection of the output credit
+    (the tap's ``place``) when the backward pass reaches the layer: one autograd function
+    (:class:`_DirectLinear`) where nothing hooks the layer and ``x`` is a real tensor with a
+    batch dimension, outside autocast; else the layer on ``x`` detached, then :func:`receive`.
+    (Its output may be a view, ``F.linear``'s for a 3-D input: no later node writes into it,
+    or the graft would have left its projection to the output.)"""
+    params = linear_parameters(layer)
+    if params is None:
+        return receive(spec, state, (place,), layer(detached(x)), x)
+    return direct_f_linear(spec, state, place, x, *params)
+
+
+def direct_f_linear(spec: TapSpec, state: RoutingState, place: int, x: Any, W: Tensor, b: Tensor | None = None) -> Any:
+    """``F.linear(x, W, b)`` as :func:`direct_linear` runs a layer: one autograd function
+    where it can be, else on ``x`` detached, then :func:`receive`."""
+    if (type(x) in PLAIN_TENSORS and x.requires_grad and x.dim() >= 2 and x.is_floating_point()
+            and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+            and place not in spec.unreached):
+        state._received.add(place)
+        return _DirectLinear.apply(x, W, b, spec, state, place)
+    return receive(spec, state, (place,), torch.nn.functional.linear(detached(x), W, b), x)
+
+
+class _DirectLinear(torch.autograd.Function):
+    """``F.linear(x, W, b)`` whose backward sends ``x`` its projection ``e·B`` of the output
+    credit and ``W`` and ``b`` their exact credit (``creditᵀ·x`` and the credit summed, over
+    every dimension but the last), as
+    :class:`_Receive` after the layer on ``x`` detached would. ``x`` is saved as autograd
+    saves it (through the caller's saved-tensor hooks) and checked for writes in place when
+    read, the error naming the node."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, W: Tensor, b: Tensor | None, spec: TapSpec, state: RoutingState, place: int) -> Tensor:  # type: ignore[override]
+        ctx.spec, ctx.state, ctx.places = spec, state, (place,)  # places: found by _unreached
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        ctx.save_for_backward(x)
+        return torch.nn.functional.linear(x, W, b)
+
+    @staticmethod
+    def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        e = _output_credit(ctx)
+        needs = ctx.needs_input_grad
+        sent = ctx.spec.send(ctx.places[0], e, ctx.shape, ctx.dtype) if needs[0] else None
+        weight = None
+        if needs[1]:
+            try:
+                x, = ctx.saved_tensors
+            except RuntimeError as error:  # autograd's own check, on what the forward pass saved
+                entry, _ = ctx.spec.pairs[ctx.places[0]]
+                raise RuntimeError(f"node {entry.call.name!r}: {error}") from None
+            weight = credit.reshape(-1, credit.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        bias = credit.reshape(-1, credit.shape[-1]).sum(0) if needs[2] else None
+        return sent, weight, bias, None, None, None
 
 
 def _unreached(spec: TapSpec, outs: list[Tensor], projected: Sequence[Any], received: set[int]) -> set[int]:
