@@ -637,10 +637,11 @@ def test_dfa_on_a_linear_layer_refuses_its_input_written_before_backward():
 def test_dfa_on_linear_layers_over_tokens_by_hand(inplace):
     """Linear layers on (batch, tokens, features) inputs, as in a transformer, under direct
     feedback alignment: each hidden input gets ``e·B`` reshaped to its shape, each weight
-    ``creditᵀ·x`` summed over batch and tokens. An in-place activation after a layer (which
-    writes into F.linear's output, a view for a 3-D input) gives the same credit."""
+    ``creditᵀ·x`` summed over batch and tokens. An in-place activation after a hidden layer
+    (which writes into F.linear's output, a view for a 3-D input, so that layer runs as before:
+    an autograd function may not hand back a view written later) gives the same credit."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=inplace), nn.Linear(7, 6), nn.Tanh(),
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.ReLU(inplace=inplace),
                           nn.Linear(6, 3), nn.Flatten()).double()
     x, e = torch.randn(4, 2, 5, dtype=f64), torch.randn(4, 6, dtype=f64)
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
@@ -648,10 +649,10 @@ def test_dfa_on_linear_layers_over_tokens_by_hand(inplace):
     assert "_DirectLinearBackward" in {type(fn).__name__ for fn in _grad_fns(out)}
     (out * e).sum().backward()
     fb = router.feedback
-    a0 = torch.relu(x @ model[0].weight.detach().T + model[0].bias.detach())
-    a1 = torch.tanh(a0 @ model[2].weight.detach().T + model[2].bias.detach())
-    d1 = (e @ fb["_4"].reshape(6, -1)).reshape(4, 2, 6) * (1 - a1**2)  # B: (output, tokens·features)
-    d0 = (e @ fb["_2"].reshape(6, -1)).reshape(4, 2, 7) * (a0 > 0)
+    a0 = torch.tanh(x @ model[0].weight.detach().T + model[0].bias.detach())
+    a1 = torch.relu(a0 @ model[2].weight.detach().T + model[2].bias.detach())
+    d1 = (e @ fb["_4"].reshape(6, -1)).reshape(4, 2, 6) * (a1 > 0)  # B: (output, tokens·features)
+    d0 = (e @ fb["_2"].reshape(6, -1)).reshape(4, 2, 7) * (1 - a0**2)
     want = {"4.weight": e.reshape(4, 2, 3).reshape(8, 3).T @ a1.reshape(8, 6), "4.bias": e.reshape(8, 3).sum(0),
             "2.weight": d1.reshape(8, 6).T @ a0.reshape(8, 7), "2.bias": d1.reshape(8, 6).sum(0),
             "0.weight": d0.reshape(8, 7).T @ x.reshape(8, 5), "0.bias": d0.reshape(8, 7).sum(0)}
@@ -689,3 +690,25 @@ def test_dfa_on_f_linear_by_hand():
     for name, p in model.named_parameters():
         assert rel_error(p.grad, want[{"w0": "0.weight", "b0": "0.bias", "w2": "2.weight", "w4": "4.weight",
                                        "b4": "4.bias"}[name]]) <= 1e-12, name
+
+
+def test_dfa_on_a_linear_layer_with_create_graph_is_the_layer_on_its_input_detached():
+    """With create_graph=True, a weight's credit under direct feedback alignment is a function
+    of the credit at the layer's output alone (the layer ran on its input detached), whether the
+    layer runs as one function or, hooked, as the layer: the same second-order credit."""
+    grads = []
+    for hooked in (False, True):
+        model = _mlp(5, 7, 6, 3)
+        if hooked:
+            for layer in (model[2], model[4]):
+                layer.register_forward_hook(lambda *_: None)
+        x = torch.randn(4, 5, dtype=f64, generator=torch.Generator().manual_seed(1))
+        router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+        (g4,) = torch.autograd.grad(router(x).sum(), model[4].weight, create_graph=True)
+        assert not g4.requires_grad  # eᵀ·a1 with a1 taken as it is (the input detached): no graph below
+        (g2,) = torch.autograd.grad(router(x).sum(), model[2].weight, create_graph=True)
+        (second,) = torch.autograd.grad(g2.pow(2).sum(), model[0].weight, allow_unused=True)
+        grads.append(second)
+    assert (grads[0] is None) == (grads[1] is None)
+    if grads[0] is not None:
+        assert rel_error(grads[0], grads[1]) <= 1e-12

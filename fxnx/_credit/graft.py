@@ -282,12 +282,12 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
         elif kind == "direct" and _one_linear(entry, projected) and node.name in credited and node.name not in at_output:
             # Its input's projection and the layer in one autograd function (where it can be)
             x, rest = occ[0], args[1:]
-            graph.erase_node(args[0])  # the input detached: direct_linear detaches it where needed
+            graph.erase_node(args[0])  # _rewired's detached input, unused: direct_linear detaches it where needed
             if node.op == "call_module":
                 value = graph.call_function(direct_linear, (tap(), routing_state(), sent[0], graph.get_attr(cast(str, node.target)), x))
             else:
                 value = graph.call_function(direct_f_linear, (tap(), routing_state(), sent[0], x, *rest))
-            sent = []
+            sent = []  # received by the layer's own function: no receive() after it
         else:
             value = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
         if sent and node.name in credited and node.name not in at_output:

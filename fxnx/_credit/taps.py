@@ -169,8 +169,8 @@ def _output_credit(ctx: Any) -> Tensor:
 def direct_linear(spec: TapSpec, state: RoutingState, place: int, layer: torch.nn.Linear, x: Any) -> Any:
     """``layer(x)``, an ``nn.Linear`` whose input gets its projection of the output credit
     (the tap's ``place``) when the backward pass reaches the layer: one autograd function
-    (:class:`_DirectLinear`) where nothing hooks the layer and ``x`` is a real tensor with a
-    batch dimension, outside autocast; else the layer on ``x`` detached, then :func:`receive`.
+    (:class:`_DirectLinear`) where nothing hooks the layer and ``x`` is a plain floating-point
+    tensor of two or more dimensions that takes credit, outside autocast; else the layer on ``x`` detached, then :func:`receive`.
     (Its output may be a view, ``F.linear``'s for a 3-D input: no later node writes into it,
     or the graft would have left its projection to the output.)"""
     params = linear_parameters(layer)
@@ -202,7 +202,8 @@ class _DirectLinear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, W: Tensor, b: Tensor | None, spec: TapSpec, state: RoutingState, place: int) -> Tensor:  # type: ignore[override]
         ctx.spec, ctx.state, ctx.places = spec, state, (place,)  # places: found by _unreached
         ctx.shape, ctx.dtype = x.shape, x.dtype
-        ctx.save_for_backward(x)
+        if ctx.needs_input_grad[1]:  # only W's credit reads x
+            ctx.save_for_backward(x)
         return torch.nn.functional.linear(x, W, b)
 
     @staticmethod
@@ -217,7 +218,9 @@ class _DirectLinear(torch.autograd.Function):
             except RuntimeError as error:  # autograd's own check, on what the forward pass saved
                 entry, _ = ctx.spec.pairs[ctx.places[0]]
                 raise RuntimeError(f"node {entry.call.name!r}: {error}") from None
-            weight = credit.reshape(-1, credit.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+            # x detached, as the layer ran on x detached: a graph recorded by this backward
+            # (create_graph=True) reaches no layer below through W's credit
+            weight = credit.reshape(-1, credit.shape[-1]).T @ x.detach().reshape(-1, x.shape[-1])
         bias = credit.reshape(-1, credit.shape[-1]).sum(0) if needs[2] else None
         return sent, weight, bias, None, None, None
 
