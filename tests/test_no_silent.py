@@ -154,12 +154,22 @@ def test_a_config_changed_in_place_is_captured_again():
     G = fxnx.convert(model, ids)
     fxnx.route_credit(G, model, ids)
     model.config.output_hidden_states = True  # read by forward: more outputs
-    res = fxnx.route_credit(G, model, ids)
+    # Captured again, the new outputs have no edge in G: their credit would be dropped
+    # silently (it was, with the outputs themselves right), so G is refused for this forward.
+    with pytest.raises(fxnx.errors.FxnxValueError, match="output_hidden_states"):
+        fxnx.route_credit(G, model, ids)
+    res = fxnx.route_credit(fxnx.convert(model, ids), model, ids)
     want = model(ids)
     assert list(res.output.keys()) == list(want.keys())  # hidden_states among them
     for got, expected in zip(res.output.values(), want.values(), strict=True):
         for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected), strict=True):
             assert torch.equal(g, w)
+    leaves = [t for t in torch.utils._pytree.tree_leaves(dict(want)) if t.is_floating_point()]
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(leaves, list(params.values()), [torch.ones_like(t) for t in leaves], allow_unused=True)
+    for name, g in zip(params, grads, strict=True):
+        if g is not None:
+            assert (res.param_credit[name] - g).norm() <= 1e-5 * g.norm(), name
 
 
 class Block(nn.Module):

@@ -24,6 +24,8 @@ from torch.nn import functional as F
 
 import fxnx
 
+from conftest import rel_error
+
 f64 = torch.float64
 PRESETS = ["exact", "feedback_alignment", "usf", "brsf", "frsf", "direct_feedback_alignment"]
 
@@ -750,3 +752,40 @@ def test_forward_mode_derivatives_through_weight_transport_are_the_models():
         got = fwAD.unpack_dual(router(fwAD.make_dual(x, t))).tangent
         want = fwAD.unpack_dual(model(fwAD.make_dual(x, t))).tangent
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("routes", ["export", "symbolic_trace"])
+def test_a_model_whose_output_grew_since_conversion_is_refused_not_routed_without_credit(routes):
+    """A flag set after conversion that makes the forward return more (an intermediate, as
+    output_hidden_states does): the new output has no edge in G, which read as an edge removed,
+    and it came back detached, its loss term silently dropped (0.76 relative error on the first
+    layer's weight, issue 21's review). Now refused, naming the cause; converted again, exact."""
+
+    class Flagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2, self.return_hidden = nn.Linear(6, 6), nn.Linear(6, 3), False
+
+        def forward(self, x):
+            h = torch.tanh(self.l1(x))
+            y = self.l2(h)
+            return (y, h) if self.return_hidden else y
+
+    torch.manual_seed(0)
+    model, x = Flagged().double(), torch.randn(4, 6, dtype=f64)
+    G = fxnx.convert(model, x, routes=routes)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")  # (exact runs the model itself)
+    router(x)
+    model.return_hidden = True
+    with pytest.raises(fxnx.errors.FxnxError, match="convert"):
+        y, h = router(x)
+        (y.sum() + h.pow(2).sum()).backward()
+    with pytest.raises(fxnx.errors.FxnxError, match="convert"):
+        fxnx.route_credit(G, model, x, output_credit=(torch.ones(4, 3, dtype=f64), torch.ones(4, 6, dtype=f64)))
+    y, h = fxnx.CreditRouter(fxnx.convert(model, x, routes=routes), model)(x)
+    (y.sum() + h.pow(2).sum()).backward()
+    got = model.l1.weight.grad.clone()
+    model.zero_grad()
+    y, h = model(x)
+    (y.sum() + h.pow(2).sum()).backward()
+    assert rel_error(got, model.l1.weight.grad) <= 1e-12

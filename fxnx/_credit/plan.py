@@ -99,6 +99,7 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
         origins[node.name] = origin(node, weight_nodes.get(node.name), origins)
         entries[node.name] = entry
     _check_nodes(G, entries)
+    _check_outputs(G, entries)
     _check_writes(gm)
     for entry in entries.values():
         call = entry.call
@@ -245,6 +246,34 @@ def _check_nodes(G: nx.MultiDiGraph, entries: dict[str, Entry]) -> None:
             f"G has nodes the model does not compute: {extra[:8]}; was G converted from "
             "another model, or with other leaf_modules or concrete_args?"
         )
+
+
+def _check_outputs(G: nx.MultiDiGraph, entries: dict[str, Entry]) -> None:
+    """Refuse a model whose output now holds more values than when ``G`` was converted (a flag
+    such as ``output_hidden_states`` set since): the new values have no edge in ``G``, which
+    would read as edges removed, and they would come back with no credit, silently."""
+    recorded = G.nodes["output"].get("out_shape") if "output" in G else None
+    output = [e.call for e in entries.values() if e.call.op == "output"]
+    if recorded is None or not output:
+        return
+    had, has = _leaves(recorded), len(output[0].sources)
+    if has > had:
+        raise FxnxValueError(
+            f"the model's output now holds {has} values, where G's output held {had} when it was "
+            "converted: the model changed since (a flag or config option that adds outputs, such "
+            "as output_hidden_states), and credit would not reach the new ones. Convert it again "
+            "as it is now and build a new router"
+        )
+
+
+def _leaves(described: Any) -> int:
+    """How many values a node's described output (``out_shape``: a shape, or lists and dicts
+    of them, None for a value that is not a tensor) holds."""
+    if isinstance(described, list):
+        return sum(map(_leaves, described))
+    if isinstance(described, dict):
+        return sum(map(_leaves, described.values()))
+    return 1
 
 
 def _match_edges(G: nx.MultiDiGraph, call: NodeCall) -> dict[tuple[str, str, int], int]:
