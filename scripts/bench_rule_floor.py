@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from bench import _interleaved  # scripts/ is on sys.path when this script runs
-from bench_transport_floor import _model
+from bench_transport_floor import _model, cpu_seconds, stepper
 from torch import nn
 
 import fxnx
@@ -142,19 +141,7 @@ def main() -> None:
     model = _model(args.depth, args.width)
     x, y = torch.randn(1, args.width), torch.tensor([3])
     G = fxnx.convert(model, x)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-
-    def step(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
-        def go() -> None:
-            opt.zero_grad()
-            F.cross_entropy(run(x), y).backward()
-            opt.step()
-        return go
-
-    def cpu(fn: Callable[[], Any]) -> float:
-        start = time.process_time()
-        fn()
-        return time.process_time() - start
+    step = stepper(model, x, y)
 
     print(f"{args.depth} layers of width {args.width}, batch 1, one thread, {args.runs} runs a side; "
           "a step's CPU time as a ratio of autograd's on the model")
@@ -167,7 +154,7 @@ def main() -> None:
             _same_credit(model, rule, router, hand, x, y)
         ratios = []
         for side in (router, hand):
-            ours, base = _interleaved(step(side), step(model), args.runs, cpu)
+            ours, base = _interleaved(step(side), step(model), args.runs, cpu_seconds)
             ratios.append(ours / base)
         print(f"  {rule:<28} {ratios[0]:7.2f} {ratios[1]:8.2f}", flush=True)
 

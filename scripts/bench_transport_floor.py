@@ -107,6 +107,27 @@ def _same_credit(model: nn.Module, sides: dict[str, nn.Module], x: torch.Tensor,
     model.zero_grad()
 
 
+def stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[Callable[[torch.Tensor], torch.Tensor]], Callable[[], None]]:
+    """``step(run)``: one training step (zero_grad, ``run(x)``, cross-entropy, backward, SGD)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+
+    def step(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        def go() -> None:
+            opt.zero_grad()
+            F.cross_entropy(run(x), y).backward()
+            opt.step()
+        return go
+
+    return step
+
+
+def cpu_seconds(fn: Callable[[], Any]) -> float:
+    """The CPU time ``fn()`` takes (one thread: its own work, whatever else the machine runs)."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=300)
@@ -129,24 +150,11 @@ def main() -> None:
         "plain": _Chain(linears, feedback, _plain),
     }
     _same_credit(model, sides, x, y)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-
-    def step(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
-        def go() -> None:
-            opt.zero_grad()
-            F.cross_entropy(run(x), y).backward()
-            opt.step()
-        return go
-
-    def cpu(fn: Callable[[], Any]) -> float:
-        start = time.process_time()
-        fn()
-        return time.process_time() - start
-
+    step = stepper(model, x, y)
     print(f"{args.depth} layers of width {args.width}, batch 1, one thread, {args.runs} runs a side; "
           "a step's CPU time as a ratio of autograd's on the model")
     for name, side in sides.items():
-        ours, base = _interleaved(step(side), step(model), args.runs, cpu)
+        ours, base = _interleaved(step(side), step(model), args.runs, cpu_seconds)
         print(f"  {name:<10} {ours / base:5.2f}   ({ours * 1e3:.2f} ms against {base * 1e3:.2f} ms)")
 
 
