@@ -82,15 +82,14 @@ def _drawn(a: float, generator: torch.Generator) -> Callable[[torch.Tensor], tor
 def by_hand(rule: str, router: fxnx.CreditRouter, model: nn.Sequential) -> Callable[[torch.Tensor], torch.Tensor]:
     """The model's forward with ``rule`` written by hand at every linear layer, with the
     router's feedback weights (drawn by its first step)."""
-    names = [f"_{i}" for i, m in enumerate(model) if isinstance(m, nn.Linear)]
-    linears = [model[int(name[1:])] for name in names]
+    linears = [m for m in model if isinstance(m, nn.Linear)]
     slot: dict[str, torch.Tensor] = {}
     generator = torch.Generator().manual_seed(0)
 
     def xavier(W: torch.Tensor) -> float:
         return math.sqrt(2.0 / (W.shape[0] + W.shape[1]))
 
-    feedback = [router.feedback.get(n) for n in names]  # None for the first layer under DFA
+    feedback = [router.feedback.get(f"_{i}") for i, m in enumerate(model) if isinstance(m, nn.Linear)]  # None: DFA's first layer
     if rule == "direct_feedback_alignment":
         steps = [lambda x, m=m, B=B: _Direct.apply(x, m.weight, m.bias, B, slot) if B is not None
                  else F.linear(x, m.weight, m.bias) for m, B in zip(linears, feedback, strict=True)]

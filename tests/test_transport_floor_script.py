@@ -8,25 +8,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_transport_floor.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def test_the_floor_script_checks_its_sides_and_reports_each():
+def _run(script: str) -> list[str]:
+    """The script's output lines, run small; it must exit cleanly."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--runs", "2", "--width", "8", "--depth", "3"],
+        [sys.executable, str(SCRIPTS / script), "--runs", "2", "--width", "8", "--depth", "3"],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert done.returncode == 0, done.stderr
-    sides = [line.split()[0] for line in done.stdout.splitlines()[1:]]
+    return done.stdout.splitlines()
+
+
+def test_the_floor_script_checks_its_sides_and_reports_each():
+    sides = [line.split()[0] for line in _run("bench_transport_floor.py")[1:]]
     assert sides == ["router", "hooked", "hooked_W", "function", "plain"]
 
 
 def test_the_rule_floor_script_checks_each_rule_against_the_router_and_reports_it():
-    script = SCRIPT.with_name("bench_rule_floor.py")
-    done = subprocess.run(
-        [sys.executable, str(script), "--runs", "2", "--width", "8", "--depth", "3"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    rules = [line.split()[0] for line in done.stdout.splitlines()[2:]]
+    rules = [line.split()[0] for line in _run("bench_rule_floor.py")[2:]]
     assert rules == ["feedback_alignment", "usf", "frsf", "brsf", "direct_feedback_alignment"]

@@ -153,11 +153,7 @@ def _native(call: NodeCall) -> bool:
     on its own graph too."""
     if call.module is not None:
         return type(call.module) in WEIGHTED_MODULES
-    try:
-        native = call.op == "call_function" and call.target in NATIVE_FUNCTIONS
-    except TypeError:  # an unhashable callable
-        return False
-    return (native and not any(getattr(chain, "copies", False) for chain in call.param_views.values())
+    return (_calls(call, NATIVE_FUNCTIONS) and not any(getattr(chain, "copies", False) for chain in call.param_views.values())
             and sum(p.dim() >= 2 for _, p in call.param_inputs.values()) <= 1)
 
 
@@ -353,11 +349,16 @@ def _one_linear(entry: Entry, projected: list[int]) -> bool:
         return False
     if node.op == "call_module":
         return type(call.module) is torch.nn.Linear and len(node.args) == 1
+    return (_calls(call, LINEAR_FUNCTIONS) and len(node.args) in (2, 3) and not call.param_views
+            and set(call.param_inputs) == set(range(1, len(node.args))))
+
+
+def _calls(call: NodeCall, functions: frozenset[Any]) -> bool:
+    """Whether ``call`` is a function node calling one of ``functions``."""
     try:
-        linear = node.op == "call_function" and node.target in LINEAR_FUNCTIONS
+        return call.op == "call_function" and call.target in functions
     except TypeError:  # an unhashable callable
         return False
-    return linear and len(node.args) in (2, 3) and not call.param_views and set(call.param_inputs) == set(range(1, len(node.args)))
 
 
 def _projected(entry: Entry) -> set[int]:

@@ -170,9 +170,10 @@ def direct_linear(spec: TapSpec, state: RoutingState, place: int, layer: torch.n
     """``layer(x)``, an ``nn.Linear`` whose input gets its projection of the output credit
     (the tap's ``place``) when the backward pass reaches the layer: one autograd function
     (:class:`_DirectLinear`) where nothing hooks the layer and ``x`` is a plain floating-point
-    tensor of two or more dimensions that takes credit, outside autocast; else the layer on ``x`` detached, then :func:`receive`.
-    (Its output may be a view, ``F.linear``'s for a 3-D input: no later node writes into it,
-    or the graft would have left its projection to the output.)"""
+    tensor of two or more dimensions that takes credit, outside autocast; else the layer on
+    ``x`` detached, then :func:`receive`. (Its output may be a view, ``F.linear``'s for a 3-D
+    input: no later node writes into it, or the graft would have left its projection to the
+    output.)"""
     params = linear_parameters(layer)
     if params is None:
         return receive(spec, state, (place,), layer(detached(x)), x)
@@ -193,10 +194,9 @@ def direct_f_linear(spec: TapSpec, state: RoutingState, place: int, x: Any, W: T
 class _DirectLinear(torch.autograd.Function):
     """``F.linear(x, W, b)`` whose backward sends ``x`` its projection ``e·B`` of the output
     credit and ``W`` and ``b`` their exact credit (``creditᵀ·x`` and the credit summed, over
-    every dimension but the last), as
-    :class:`_Receive` after the layer on ``x`` detached would. ``x`` is saved as autograd
-    saves it (through the caller's saved-tensor hooks) and checked for writes in place when
-    read, the error naming the node."""
+    every dimension but the last), as :class:`_Receive` after the layer on ``x`` detached
+    would. ``x`` is saved as autograd saves it (through the caller's saved-tensor hooks) and
+    checked for writes in place when read, the error naming the node."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, W: Tensor, b: Tensor | None, spec: TapSpec, state: RoutingState, place: int) -> Tensor:  # type: ignore[override]
@@ -211,6 +211,7 @@ class _DirectLinear(torch.autograd.Function):
         e = _output_credit(ctx)
         needs = ctx.needs_input_grad
         sent = ctx.spec.send(ctx.places[0], e, ctx.shape, ctx.dtype) if needs[0] else None
+        rows = credit.reshape(-1, credit.shape[-1])  # every dimension but the last, as one
         weight = None
         if needs[1]:
             try:
@@ -220,8 +221,8 @@ class _DirectLinear(torch.autograd.Function):
                 raise RuntimeError(f"node {entry.call.name!r}: {error}") from None
             # x detached, as the layer ran on x detached: a graph recorded by this backward
             # (create_graph=True) reaches no layer below through W's credit
-            weight = credit.reshape(-1, credit.shape[-1]).T @ x.detach().reshape(-1, x.shape[-1])
-        bias = credit.reshape(-1, credit.shape[-1]).sum(0) if needs[2] else None
+            weight = rows.T @ x.detach().reshape(-1, x.shape[-1])
+        bias = rows.sum(0) if needs[2] else None
         return sent, weight, bias, None, None, None
 
 
