@@ -793,3 +793,129 @@ def test_a_weight_replaced_after_a_feedback_router_was_built_says_to_build_a_new
         router(x)
     fresh = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
     assert torch.equal(fresh(x), model(x))
+
+
+# --- inputs that share memory ------------------------------------------------------------
+
+
+class _ScaledSum(nn.Module):
+    """``fc(a) * b``: each argument read by its own node."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, a, b):
+        return self.fc(a) * b
+
+
+class _WritesOne(nn.Module):
+    """Writes into ``a`` and reads ``b``: where they share memory, ``fc`` reads the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, a, b):
+        a.add_(1)
+        return self.fc(b)
+
+
+ROUTES_AT_ALL_LEVELS = ["symbolic_trace", "export", "draft_export"]
+
+
+@pytest.mark.parametrize("routes", ROUTES_AT_ALL_LEVELS)
+def test_one_tensor_given_for_two_arguments_is_two_inputs_each_with_its_own_credit(routes):
+    """torch.export makes one input of a tensor given twice, and recorded every use of it
+    through the second argument: G had ``b -> linear`` and nothing out of ``a``, and routing
+    it again refused it. Each argument now reads what it reads in the model (hand-known
+    edges), and each input's credit, and every parameter's, is autograd's, whether G was
+    converted and credit routed with one tensor or two."""
+    torch.manual_seed(0)
+    model = _ScaledSum().double()
+    x, y = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    for converted in [(x, x), (x, y)]:
+        G = fxnx.convert(model, *converted, routes=routes)
+        readers = {u: {v for _, v in G.out_edges(u)} for u in ("a", "b")}
+        assert len(readers["a"]) == 1 and len(readers["b"]) == 1 and readers["a"] != readers["b"]
+        assert G.nodes[next(iter(readers["a"]))]["op"] != "output"
+        for given in [(x, x), (x, y)]:
+            res = fxnx.route_credit(G, model, *given)
+            a, b = (t.clone().requires_grad_() for t in given)
+            out = model(a, b)
+            params = dict(model.named_parameters())
+            grads = torch.autograd.grad(out.sum(), [a, b, *params.values()])
+            assert rel_error(res.node_credit["a"], grads[0]) <= 1e-12
+            assert rel_error(res.node_credit["b"], grads[1]) <= 1e-12
+            for (name, _), want in zip(params.items(), grads[2:], strict=True):
+                assert rel_error(res.param_credit[name], want) <= 1e-12
+
+
+@pytest.mark.parametrize("routes", ROUTES_AT_ALL_LEVELS)
+@pytest.mark.parametrize("rule", ["feedback_alignment", "exact_cut"])
+def test_a_write_into_inputs_that_share_memory_is_followed_as_the_model_follows_it(routes, rule):
+    """A model that writes into ``a`` and reads ``b``, given views of one tensor: ``fc`` reads
+    the write. The router's first call ran on copies made one by one, so it read ``b``
+    unwritten: its output was 1.0 off and the weight's credit 2.0 off, silently. Now copies
+    share memory as the inputs do, and keep the history of the tensor upstream of the views.
+    Oracles: the eager model on the same views, autograd through it for the weight (exact
+    under both rules), and for the input upstream feedback alignment by hand (``2·(1·B)``
+    through ``h = 2·x``), or nothing where ``b``'s edge is cut."""
+    torch.manual_seed(0)
+    model = _WritesOne().double()
+    x = torch.randn(3, 4, dtype=F64)
+    G = fxnx.convert(model, x.clone(), x.clone(), routes=routes)
+    if rule == "exact_cut":  # b's edge removed: the router runs its graph, not the model
+        G.remove_edge("b", next(v for _, v in G.out_edges("b")))
+    router = fxnx.CreditRouter(G, model, rule="exact" if rule == "exact_cut" else rule, seed=0)
+    for _ in range(2):  # the first call (on copies) and the next (on the inputs themselves)
+        h = x * 2
+        model.zero_grad()
+        want = model(h, h[:])
+        want.sum().backward()
+        want_w = model.fc.weight.grad.clone()
+        x1 = x.clone().requires_grad_()
+        h = x1 * 2  # the inputs are views of h, upstream of the model
+        model.zero_grad()
+        out = router(h, h[:])
+        out.sum().backward()
+        assert rel_error(out, want) <= 1e-12
+        assert rel_error(model.fc.weight.grad, want_w) <= 1e-12
+        if rule == "feedback_alignment":
+            B = next(iter(router.feedback.values()))
+            assert rel_error(x1.grad, 2 * torch.ones(3, 4, dtype=F64) @ B) <= 1e-12
+        else:
+            assert x1.grad is None
+
+
+@pytest.mark.parametrize("routes", ROUTES_AT_ALL_LEVELS)
+def test_route_credit_refuses_a_write_into_inputs_that_share_memory(routes):
+    """route_credit reports each input's credit on its own; a write into one of two inputs
+    that share memory could not reach the other. It gave the model's output 1.0 off,
+    silently; now it refuses, naming the node that writes."""
+    model = _WritesOne().double()
+    x = torch.randn(3, 4, dtype=F64)
+    G = fxnx.convert(model, x.clone(), x.clone(), routes=routes)
+    for given in [(x, x), (x, x[:])]:
+        with pytest.raises(fxnx.errors.FxnxValueError, match=r"node 'add_' writes in place into inputs 'a', 'b'"):
+            fxnx.route_credit(G, model, *given)
+    assert fxnx.route_credit(G, model, x, x.clone()).output.shape == (3, 4)  # apart: routed
+
+
+def test_a_graph_that_follows_its_inputs_shapes_names_the_shapes_that_changed():
+    """torch.export follows a Python branch on the input's shape: routed with another batch
+    size, the model's graph differs from G. The refusal named an edge of G and no cause;
+    it now names the input whose shape changed, then and now."""
+
+    class Branch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small, self.large = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, a):
+            return self.large(a) if a.shape[0] > 2 else self.small(a)
+
+    model = Branch().double()
+    G = fxnx.convert(model, torch.randn(2, 4, dtype=F64), routes="export")
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"follows its inputs' shapes.*a \(2, 4\) then, \(5, 4\) now"):
+        fxnx.route_credit(G, model, torch.randn(5, 4, dtype=F64))

@@ -38,7 +38,7 @@ def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphMo
     Function's forward operations without its backward, or (draft_export) the branches a
     condition on a tensor's value took for the example."""
     module = as_module(model)
-    args, kwargs = tuple(inputs.args), dict(inputs.kwargs)
+    args, kwargs = _distinct((tuple(inputs.args), dict(inputs.kwargs)))
     name = "torch.export.draft_export" if draft else "torch.export.export(strict=False)"
     try:
         with preserved(module), quiet(), drawn(torch_rng=False) as draws, applied() as functions:
@@ -67,6 +67,25 @@ def export_graph(model: Any, inputs: Inputs, *, draft: bool) -> tuple[fx.GraphMo
             "values; fxnx cannot tell which is which"
         )
     return gm, varies, "; and ".join(why), ", ".join(reads[:3])
+
+
+def _distinct(inputs: Any) -> Any:
+    """The inputs, each tensor given again (one object for several arguments) as a view of
+    itself: torch.export makes one input of an object given twice and records its every use
+    through the last argument that holds it, so the graph would have the others read nothing.
+    A view shares the memory, so the graph run on these inputs (or on any that share memory
+    as these do) sees a write through one argument in the others, as the model's call does."""
+    seen: set[int] = set()
+
+    def once(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) in seen:
+            return value.view_as(value)
+        seen.add(id(value))
+        return value
+
+    return pytree.tree_map(once, inputs)
 
 
 def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool) -> RouteResult:

@@ -28,7 +28,9 @@ __all__ = [
     "device_of",
     "empty_inputs",
     "placeholder_values",
+    "memory_of",
     "qualname",
+    "shared_memory",
 ]
 
 #: Keyword inputs fxnx sets when ``forward`` has them and the caller did not pass them, and
@@ -177,20 +179,71 @@ def placeholder_values(inputs: Inputs | None, gm: fx.GraphModule, level: str) ->
 
 
 def _copied(inputs: Inputs | None) -> Inputs | None:
-    """The inputs with every tensor copied once (meta and fake tensors copy for free)."""
+    """The inputs with every tensor copied once (meta and fake tensors copy for free).
+
+    A tensor passed twice stays one tensor, and inputs that share memory (``x`` and ``x[0]``)
+    are views of one copy of it where they can be (see :func:`_copied_together`): a model
+    that writes into one of them is seen to change the others, as in its own call."""
     if inputs is None:
         return None
     copies: dict[int, torch.Tensor] = {}
+    for group in shared_memory(pytree.tree_leaves((inputs.args, inputs.kwargs))):
+        copies.update(_copied_together(group))
 
     def copy(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if id(t) not in copies:  # a tensor passed twice stays one tensor
+        if id(t) not in copies:
             copies[id(t)] = t.clone()
         return copies[id(t)]
 
     args, kwargs, arguments = pytree.tree_map(copy, (inputs.args, inputs.kwargs, inputs.arguments))
     return Inputs(args, kwargs, arguments, inputs.fixed, inputs.defaulted)
+
+
+def shared_memory(values: Sequence[Any]) -> list[list[torch.Tensor]]:
+    """The groups of two or more distinct plain dense tensors among ``values`` that share
+    memory (and dtype)."""
+    groups: dict[tuple[int, torch.dtype], dict[int, torch.Tensor]] = {}
+    for t in values:
+        key = memory_of(t) if isinstance(t, torch.Tensor) else None
+        if key is not None:
+            groups.setdefault(key, {})[id(t)] = t
+    return [list(group.values()) for group in groups.values() if len(group) > 1]
+
+
+def _copied_together(group: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Copies of tensors that share memory, by ``id``, as views of one copy of it: of their
+    common base (views of one tensor: the copies keep its autograd history), or of the
+    memory itself where none takes credit. Empty where neither holds (tensors that take
+    credit but are no views of one tensor): each is then copied alone."""
+    bases = {id(b): b for b in (t if t._base is None else t._base for t in group)}
+    if len(bases) == 1:
+        base = next(iter(bases.values()))
+        whole = base.clone()  # dense, laid out as the base, at offset 0
+        if whole.stride() != base.stride():
+            return {}
+        shift = base.storage_offset()
+    elif not any(t.requires_grad for t in group):
+        first = group[0]
+        whole = torch.empty(0, dtype=first.dtype, device=first.device).set_(first.untyped_storage()).clone()
+        shift = 0
+    else:
+        return {}
+    return {id(t): whole.as_strided(t.size(), t.stride(), t.storage_offset() - shift) for t in group}
+
+
+def memory_of(t: torch.Tensor) -> tuple[int, torch.dtype] | None:
+    """Where a plain dense tensor's memory lies (with its dtype: views of a copy read it as
+    the tensor does); None for others (meta, fake, sparse, subclasses, no memory), which are
+    copied one by one."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_meta:
+        return None
+    try:
+        storage = t.untyped_storage()
+        return (storage.data_ptr(), t.dtype) if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError):  # no memory to read
+        return None
 
 
 def qualname(model: Any) -> str:

@@ -189,6 +189,8 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
     # Where a write runs out of place its victims keep their values; elsewhere each victim's
     # credit is reported through a copy of its own, taken before the write.
     nodes = {e.node.name: e.node for e in plan.entries}
+    if collect:
+        _refuse_shared_inputs(probe, nodes)
     apart = {w for w in probe.writers if w not in probe.observed and runs_out_of_place(nodes[w])}
     snapshot: dict[str, list[str]] = {}
     light: set[str] = set()
@@ -388,6 +390,22 @@ def _rewired(node: fx.Node, env: dict[fx.Node, fx.Node], cut: set[int], graph: f
         return graph.call_function(detached, (value,)) if next(count) in cut else value
 
     return fx.node.map_arg(node.args, one), fx.node.map_arg(node.kwargs, one)
+
+
+def _refuse_shared_inputs(probe: Probe, nodes: dict[str, fx.Node]) -> None:
+    """Refuse, for credit at every node, a write into inputs that share memory (one tensor,
+    or its views, given for two arguments): each input's credit is reported on its own, so
+    the write could not reach the others as it does in the model's call."""
+    for writer, victims in probe.writers.items():
+        inputs = [v for v in victims if nodes[v].op == "placeholder"]
+        if len(inputs) > 1:
+            raise FxnxValueError(
+                f"node {writer!r} writes in place into inputs {', '.join(map(repr, inputs))}, which "
+                "share memory here (one tensor, or its views, given for several arguments): route_credit makes "
+                "each input a leaf of its own, to report its own credit, so the write could not "
+                "reach the others as it does in the model's call. Give each argument a tensor "
+                "of its own (x.clone())"
+            )
 
 
 def _snapshot(spec: tuple[str, tuple[str, ...]], value: Any) -> Any:

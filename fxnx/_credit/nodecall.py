@@ -11,6 +11,7 @@ the NetworkX graph rather than torch's autograd graph, at the cost of one
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import operator
@@ -22,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .._capture.inputs import memory_of
 from .._compat import OpOverload, op_schema, pytree
 from .._errors import FxnxValueError
 
@@ -186,12 +188,23 @@ def pairs(output: Any, credit: Credit) -> tuple[list[Tensor], list[Tensor]]:
 
 
 def fresh_leaf(value: Any) -> Any:
-    """A fresh leaf for each floating-point tensor in ``value``; other values pass through."""
+    """A fresh leaf for each floating-point tensor in ``value``; other values pass through.
+    Where tensors share memory (one tensor given twice, or its views), each is a view of one
+    leaf on that memory, so that a write into one is seen in the others, as in the model's
+    call."""
+    floats = [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())]
+    shared = collections.Counter(key for key in map(memory_of, floats) if key is not None)
+    leaves: dict[Any, Tensor] = {}
 
     def one(t: Any) -> Any:
-        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()):
+        if not (isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())):
+            return t
+        key = memory_of(t)
+        if key is None or shared[key] < 2:
             return t.detach().requires_grad_(True)
-        return t
+        if key not in leaves:
+            leaves[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()).requires_grad_(True)
+        return leaves[key].as_strided(t.size(), t.stride(), t.storage_offset())
 
     return pytree.tree_map(one, value)
 

@@ -98,14 +98,14 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
                     entry.param = param_names[id(value)]
         origins[node.name] = origin(node, weight_nodes.get(node.name), origins)
         entries[node.name] = entry
-    _check_nodes(G, entries)
+    _check_nodes(G, entries, gm)
     _check_outputs(G, entries)
     _check_writes(gm)
     for entry in entries.values():
         call = entry.call
         if call.op in ("placeholder", "get_attr"):
             continue
-        matched = set(_match_edges(G, call).values())
+        matched = set(_match_edges(G, call, gm).values())
         entry.cut = frozenset(k for k in range(len(call.sources)) if k not in matched)
         if call.op != "output":
             # A node the model runs with gradients off passes no credit, whatever the rule.
@@ -217,7 +217,7 @@ def check_arguments(G: nx.MultiDiGraph) -> None:
             )
 
 
-def _check_nodes(G: nx.MultiDiGraph, entries: dict[str, Entry]) -> None:
+def _check_nodes(G: nx.MultiDiGraph, entries: dict[str, Entry], gm: fx.GraphModule) -> None:
     model_nodes = list(entries)
     missing = [n for n in model_nodes if n not in G]
     extra = sorted(set(G) - set(model_nodes))
@@ -244,7 +244,7 @@ def _check_nodes(G: nx.MultiDiGraph, entries: dict[str, Entry]) -> None:
     if extra:
         raise FxnxValueError(
             f"G has nodes the model does not compute: {extra[:8]}; was G converted from "
-            "another model, or with other leaf_modules or concrete_args?"
+            "another model, or with other leaf_modules or concrete_args?" + _other_graph(G, gm)
         )
 
 
@@ -276,8 +276,9 @@ def _leaves(described: Any) -> int:
     return 1
 
 
-def _match_edges(G: nx.MultiDiGraph, call: NodeCall) -> dict[tuple[str, str, int], int]:
-    """Each in-edge of the node in G, mapped to the input occurrence it stands for."""
+def _match_edges(G: nx.MultiDiGraph, call: NodeCall, gm: fx.GraphModule) -> dict[tuple[str, str, int], int]:
+    """Each in-edge of the node in G, mapped to the input occurrence it stands for (in
+    ``gm``, the graph captured now)."""
     index = {(src, label): i for i, (src, label) in enumerate(zip(call.sources, call.labels, strict=True))}
     matched = {}
     for u, v, key, arg in G.in_edges(call.name, keys=True, data="arg"):
@@ -285,8 +286,38 @@ def _match_edges(G: nx.MultiDiGraph, call: NodeCall) -> dict[tuple[str, str, int
         if i is None:
             raise FxnxValueError(
                 f"G has an edge {u} -> {v} (arg {arg!r}) that is not an input of node {v!r} in "
-                "the model; credit can only be routed along the model's own dataflow"
+                "the model; credit can only be routed along the model's own dataflow" + _other_graph(G, gm)
             )
         matched[(u, v, key)] = i
     return matched
 
+
+
+#: The capture routes whose graph follows the inputs it was captured with: their shapes, the
+#: Python branches taken on them, and which of them were one tensor.
+_SPECIALISED = frozenset({"export", "draft_export", "make_fx"})
+
+
+def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule) -> str:
+    """Why the graph captured now may differ from ``G`` though neither was edited, for a route
+    whose graph follows its inputs: the inputs' shapes that changed since ``G`` was converted
+    (naming them), else the causes that leave no trace in ``G``. Empty for other routes."""
+    if G.graph.get("capture") not in _SPECIALISED:
+        return ""
+    changed = []
+    for node in gm.graph.nodes:
+        value, had = node.meta.get("val"), G.nodes[node.name].get("out_shape") if node.name in G else None
+        if node.op == "placeholder" and isinstance(value, Tensor) and isinstance(had, tuple) and tuple(value.shape) != had:
+            changed.append(f"{node.name} {had} then, {tuple(value.shape)} now")
+    if changed:
+        return (
+            f". The model's graph ({G.graph['capture']}) follows its inputs' shapes, and these differ "
+            f"from those G was converted with: {'; '.join(changed[:4])}{' …' if len(changed) > 4 else ''}. "
+            "Convert G with inputs shaped like these (a branch in the model's Python may take "
+            "another path for them)"
+        )
+    return (
+        f". If G was not edited, the model's graph ({G.graph['capture']}) follows its inputs, and a "
+        "branch in its Python on their values may take another path for these: convert G with "
+        "inputs like these"
+    )
