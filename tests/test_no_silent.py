@@ -919,3 +919,28 @@ def test_a_graph_that_follows_its_inputs_shapes_names_the_shapes_that_changed():
     G = fxnx.convert(model, torch.randn(2, 4, dtype=F64), routes="export")
     with pytest.raises(fxnx.errors.FxnxValueError, match=r"follows its inputs' shapes.*a \(2, 4\) then, \(5, 4\) now"):
         fxnx.route_credit(G, model, torch.randn(5, 4, dtype=F64))
+
+
+@pytest.mark.parametrize("replaced", ["0.weight", "0.bias"])
+@pytest.mark.parametrize("rule", ["exact", "direct_feedback_alignment", "feedback_alignment"])
+def test_route_credit_reports_a_parameter_replaced_since_its_last_call(rule, replaced):
+    """route_credit keeps its router on G between calls; a parameter replaced since
+    (``layer.weight = nn.Parameter(...)``) was missing from ``param_credit``, silently (and
+    the plan kept was the old parameters'). Every parameter's credit is now reported: for
+    ``exact``, autograd's; for the others, that of a first call over a graph converted
+    afresh (same seed, so the same feedback weights)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(4, 5, dtype=F64)
+    G = fxnx.convert(model, x)
+    fxnx.route_credit(G, model, x, rule=rule)
+    layer, name = model[0], replaced.split(".")[1]
+    setattr(layer, name, nn.Parameter(torch.randn_like(getattr(layer, name))))
+    res = fxnx.route_credit(G, model, x, rule=rule)
+    if rule == "exact":
+        want = _autograd(model, x)[2]
+    else:
+        want = fxnx.route_credit(fxnx.convert(model, x), model, x, rule=rule).param_credit
+    assert set(res.param_credit) == {n for n, _ in model.named_parameters()}
+    for n, credit in want.items():
+        assert rel_error(res.param_credit[n], credit) <= 1e-12

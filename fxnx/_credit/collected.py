@@ -160,8 +160,9 @@ def _router(
     """A router for one run, kept on ``G`` for the next call with the same model and rule.
 
     Its plan (the rule bound to each node, the edge matching) is then compiled once;
-    an edit of ``G``'s edges or of its capture record, other rules or feedback, or a rule that changes between runs
-    (brSF) make a new one, as does a model whose structure changed (the capture does).
+    an edit of ``G``'s edges or of its capture record, other rules or feedback, a parameter
+    replaced, or a rule that changes between runs (brSF) make a new one, as does a model whose
+    structure changed (the capture does).
     """
     def fresh() -> CreditRouter:
         return CreditRouter(G, model, rule, rules=rules, seed=seed, feedback=feedback,
@@ -173,7 +174,10 @@ def _router(
     preset = PRESETS.get(rule)
     if preset is None or any(getattr(r, "stateful", True) for r in preset.values()):
         return fresh()
-    key = (id(model), rule, seed, G.number_of_nodes(), hash(tuple(G.edges(keys=True))))
+    # the parameters themselves: one replaced (layer.weight = nn.Parameter(...)) is another
+    # plan's, whose credit the kept plan would not report
+    params = tuple(map(id, model.parameters())) if isinstance(model, nn.Module) else ()
+    key = (id(model), rule, seed, G.number_of_nodes(), hash(tuple(G.edges(keys=True))), params)
     kept = kept_on(G, _SLOT)
     router = kept.get(key)
     if router is None or router.model is not model or _recorded(router.G) != _recorded(G):  # (a copy of G)
