@@ -944,3 +944,24 @@ def test_route_credit_reports_a_parameter_replaced_since_its_last_call(rule, rep
     assert set(res.param_credit) == {n for n, _ in model.named_parameters()}
     for n, credit in want.items():
         assert rel_error(res.param_credit[n], credit) <= 1e-12
+
+
+def test_direct_feedback_drawn_in_float32_projects_in_float64_once_the_model_is():
+    """B is drawn in the layer's dtype on the first step; after ``model.double()`` the
+    projection ``e·B`` ran in float32 (the credit cast down to B's dtype): 4e-8 off a float64
+    oracle, silently, where every other rule is exact. Oracle: direct feedback alignment
+    written out by hand in float64, with the router's B."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    x = torch.randn(4, 5)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+    router(x).pow(2).sum().backward()  # draws B, in float32
+    model.double()
+    model.zero_grad()
+    x = x.double()
+    out = router(x)
+    out.pow(2).sum().backward()
+    B = router.feedback["_2"].double()
+    h = torch.tanh(model[0](x))
+    want = ((2 * out.detach()) @ B * (1 - h.pow(2))).T @ x
+    assert rel_error(model[0].weight.grad, want) <= 1e-12

@@ -621,14 +621,17 @@ class DirectFeedbackAlignment(_Drawn):
         credit of ``e``'s dtype and width, and inputs of ``shape`` and ``dtype`` (``B``,
         drawn here on first use, never changes)."""
         B = self.projection(call, i, e, shape, dtype)
+        # B's dtype or the credit's, the wider: B drawn in float32, then the model made float64
+        # (model.double()), projects in float64, as the layer's own credit is computed
+        work = torch.promote_types(B.dtype, e.dtype)
         if self._spatial(i):
             geometry = self._geometry
             assert geometry is not None  # _spatial(i) holds only with a geometry
-            return lambda e: geometry.credit(e.to(B.dtype), B, shape).to(dtype)
+            return lambda e: geometry.credit(e.to(work), B.to(work), shape).to(dtype)
         matrix = B.reshape(e.shape[1], -1)
         if B.dtype == e.dtype == dtype:
             return lambda e: (e @ matrix).reshape(shape)
-        return lambda e: (e.to(B.dtype) @ matrix).reshape(shape).to(dtype)
+        return lambda e: (e.to(work) @ matrix.to(work)).reshape(shape).to(dtype)
 
     def projection(self, call: NodeCall, i: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         """``B`` for input ``i`` of ``call``'s node (see :meth:`feedback_shape`), for output
