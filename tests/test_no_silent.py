@@ -965,3 +965,29 @@ def test_direct_feedback_drawn_in_float32_projects_in_float64_once_the_model_is(
     h = torch.tanh(model[0](x))
     want = ((2 * out.detach()) @ B * (1 - h.pow(2))).T @ x
     assert rel_error(model[0].weight.grad, want) <= 1e-12
+
+
+@pytest.mark.parametrize("layer", ["module", "hooked"])
+def test_direct_feedback_written_between_forward_and_backward_is_refused(layer):
+    """A write into direct feedback's B (``router.feedback``) after the forward pass was read
+    by its backward pass: 1.0 off the step's credit, silently, where feedback alignment
+    refuses such a write. Refused now, naming the node, on the fused path (an ``nn.Linear``
+    as one autograd function) and the other (a hooked layer); the step without the write
+    and one after a write made before the forward are routed (checked against DFA by hand)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    if layer == "hooked":
+        model[2].register_forward_hook(lambda m, i, o: None)
+    x = torch.randn(4, 5, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+    router(x).sum().backward()  # draws B
+    out = router(x)
+    router.feedback["_2"].mul_(2)
+    with pytest.raises(RuntimeError, match="node '_2': its feedback weights B were modified"):
+        out.sum().backward()
+    model.zero_grad()
+    out = router(x)  # after the write: routed with the written B
+    out.sum().backward()
+    h = torch.tanh(model[0](x))
+    want = (torch.ones(4, 3, dtype=F64) @ router.feedback["_2"] * (1 - h.pow(2))).T @ x
+    assert rel_error(model[0].weight.grad, want) <= 1e-12

@@ -218,9 +218,9 @@ def test_dfa_sends_to_a_layer_when_the_backward_pass_reaches_it(monkeypatch):
     log = []
     real = taps.TapSpec.send
 
-    def send(self, j, e, shape, dtype):
+    def send(self, j, e, shape, dtype, state):
         log.append(("sent", self.pairs[j][0].call.name))
-        return real(self, j, e, shape, dtype)
+        return real(self, j, e, shape, dtype, state)
 
     monkeypatch.setattr(taps.TapSpec, "send", send)
     monkeypatch.setattr(graft, "is_torch_nn", lambda module: True)  # the marks pass credit on every call

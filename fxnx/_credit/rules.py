@@ -82,6 +82,9 @@ class RoutingState:
     #: The direct-feedback inputs (their places in the run's tap) that this forward's nodes
     #: receive themselves, rather than at the output.
     _received: set[int] = field(default_factory=set, init=False, repr=False)
+    #: Direct feedback's ``B`` at each place of the tap as this forward left it (each with its
+    #: write counter; None where not drawn yet), read again when the backward pass sends.
+    _drawn: Any = field(default=None, init=False, repr=False)
 
 
 class Rule:

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import linear_parameters, pytree
+from .._compat import linear_parameters, pytree, version
 from .._errors import FxnxValueError
 from .feedback import check_bytes, readable
 from .native import PLAIN_TENSORS
 from .plan import Entry
-from .ruled import detached
+from .ruled import detached, feedback_written
 from .rules import RoutingState
 
 
@@ -49,7 +49,24 @@ class TapSpec:
         self.drawn = False
         return len(self.pairs) - 1
 
-    def send(self, j: int, e: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    def drawn_now(self) -> list[tuple[Tensor, int] | None]:
+        """Each place's ``B`` with its write counter, where it is drawn (see :meth:`send`)."""
+        found: list[tuple[Tensor, int] | None] = []
+        for entry, k in self.pairs:
+            drawn = getattr(entry.rule, "_B", ())
+            B = drawn[k] if k < len(drawn) else None
+            found.append(None if B is None else (B, version(B)))
+        return found
+
+    def send(self, j: int, e: Tensor, shape: torch.Size, dtype: torch.dtype, state: RoutingState) -> Tensor:
+        """Place ``j``'s projection of ``e``, with its ``B`` as the forward pass left it
+        (``state._drawn``): a write into it since, or another ``B`` given, is refused, as
+        autograd refuses a write into what it saved."""
+        if state._drawn is not None and state._drawn[j] is not None:
+            then, stamp = state._drawn[j]
+            entry, k = self.pairs[j]
+            if entry.rule._B[k] is not then or version(then) != stamp:
+                raise RuntimeError(feedback_written(entry.call.name))
         key = (e.shape[1], e.dtype, shape, dtype)
         known, sender = self.senders[j]
         if known != key:
@@ -97,6 +114,7 @@ class _Tap(torch.autograd.Function):
                     spec.drawn = True
             spec.checked = (batch, shapes, wanted)
         ctx.spec, ctx.state, ctx.where = spec, state, (leaves, tree, slots)
+        state._drawn = spec.drawn_now() if spec.pairs else None
         ctx.shapes = shapes
         ctx.dtypes = [x.dtype if isinstance(x, Tensor) else None for x in projected]
         return outs if len(outs) != 1 else outs[0]
@@ -115,7 +133,7 @@ class _Tap(torch.autograd.Function):
             needs = ctx.needs_input_grad[3 + len(slots):]
             received = ctx.state._received
             for j, (shape, dtype, needed) in enumerate(zip(ctx.shapes, ctx.dtypes, needs, strict=True)):
-                sent.append(spec.send(j, e, shape, dtype) if needed and j not in received else None)
+                sent.append(spec.send(j, e, shape, dtype, ctx.state) if needed and j not in received else None)
         return (None, None, None, *grads, *sent)
 
 
@@ -146,7 +164,7 @@ class _Receive(torch.autograd.Function):
         e, spec = _output_credit(ctx), ctx.spec
         needs = ctx.needs_input_grad[4:]
         sent = [
-            spec.send(j, e, shape, dtype) if needed else None
+            spec.send(j, e, shape, dtype, ctx.state) if needed else None
             for j, shape, dtype, needed in zip(ctx.places, ctx.shapes, ctx.dtypes, needs, strict=True)
         ]
         return (None, None, None, credit, *sent)
@@ -210,7 +228,7 @@ class _DirectLinear(torch.autograd.Function):
     def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         e = _output_credit(ctx)
         needs = ctx.needs_input_grad
-        sent = ctx.spec.send(ctx.places[0], e, ctx.shape, ctx.dtype) if needs[0] else None
+        sent = ctx.spec.send(ctx.places[0], e, ctx.shape, ctx.dtype, ctx.state) if needs[0] else None
         rows = credit.reshape(-1, credit.shape[-1])  # every dimension but the last, as one
         weight = None
         if needs[1]:
