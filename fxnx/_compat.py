@@ -53,6 +53,7 @@ __all__ = [
     "sequence_nr",
     "value_reads",
     "version",
+    "view_base",
 ]
 
 #: (private name, what fxnx uses it for, what happens when it is missing)
@@ -152,6 +153,13 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "attribute written in place since the capture",
         "no such writes are told apart: credit at a value written in place later is that of "
         "the written value",
+    ),
+    (
+        "torch.Tensor._base",
+        "copies of inputs that share memory, made as views of one copy of the tensor they view "
+        "(so a write into one input is seen in the others, and credit reaches that tensor)",
+        "such inputs are copied as views of a copy of their memory where none takes credit, "
+        "else one by one",
     ),
     (
         "torch.utils._python_dispatch.TorchDispatchMode, "
@@ -377,6 +385,13 @@ def mask_helpers() -> list[tuple[Any, str]]:
 def version(tensor: torch.Tensor) -> int:
     """How many times ``tensor``'s data has been written in place (autograd's counter)."""
     return int(getattr(tensor, "_version", 0))
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor ``tensor`` is a view of (autograd's ``_base``), or ``tensor`` itself where it
+    is none (or this torch does not say)."""
+    base = getattr(tensor, "_base", None)
+    return base if isinstance(base, torch.Tensor) else tensor
 
 
 def saved_tensors_hooks_calls() -> tuple[Callable[..., Any], Callable[[], Any]] | None:

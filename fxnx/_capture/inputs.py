@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .._compat import pytree
+from .._compat import pytree, view_base
 from .._errors import FxnxTypeError
 
 __all__ = [
@@ -217,7 +217,7 @@ def _copied_together(group: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     common base (views of one tensor: the copies keep its autograd history), or of the
     memory itself where none takes credit. Empty where neither holds (tensors that take
     credit but are no views of one tensor): each is then copied alone."""
-    bases = {id(b): b for b in (t if t._base is None else t._base for t in group)}
+    bases = {id(b): b for b in map(view_base, group)}
     if len(bases) == 1:
         base = next(iter(bases.values()))
         whole = base.clone()  # dense, laid out as the base, at offset 0
