@@ -31,6 +31,7 @@ __all__ = [
     "memory_of",
     "qualname",
     "shared_memory",
+    "whole_memory",
 ]
 
 #: Keyword inputs fxnx sets when ``forward`` has them and the caller did not pass them, and
@@ -225,12 +226,15 @@ def _copied_together(group: list[torch.Tensor]) -> dict[int, torch.Tensor]:
             return {}
         shift = base.storage_offset()
     elif not any(t.requires_grad for t in group):
-        first = group[0]
-        whole = torch.empty(0, dtype=first.dtype, device=first.device).set_(first.untyped_storage()).clone()
-        shift = 0
+        whole, shift = whole_memory(group[0]).clone(), 0
     else:
         return {}
     return {id(t): whole.as_strided(t.size(), t.stride(), t.storage_offset() - shift) for t in group}
+
+
+def whole_memory(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor of ``t``'s dtype over the whole of its memory (no copy)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
 
 
 def memory_of(t: torch.Tensor) -> tuple[int, torch.dtype] | None:

@@ -401,10 +401,11 @@ def _refuse_shared_inputs(probe: Probe, nodes: dict[str, fx.Node]) -> None:
         if len(inputs) > 1:
             raise FxnxValueError(
                 f"node {writer!r} writes in place into inputs {', '.join(map(repr, inputs))}, which "
-                "share memory here (one tensor, or its views, given for several arguments): route_credit makes "
-                "each input a leaf of its own, to report its own credit, so the write could not "
-                "reach the others as it does in the model's call. Give each argument a tensor "
-                "of its own (x.clone())"
+                "share memory here (one tensor, or its views, given for several arguments): credit "
+                "at every node (route_credit, or a router with node_credit=True) makes each input "
+                "a leaf of its own, to report its own credit, so the write could not reach the "
+                "others as it does in the model's call. Give each argument a tensor of its own "
+                "(x.clone())"
             )
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .._capture.inputs import memory_of
+from .._capture.inputs import memory_of, whole_memory
 from .._compat import OpOverload, op_schema, pytree
 from .._errors import FxnxValueError
 
@@ -193,17 +193,18 @@ def fresh_leaf(value: Any) -> Any:
     leaf on that memory, so that a write into one is seen in the others, as in the model's
     call."""
     floats = [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())]
-    shared = collections.Counter(key for key in map(memory_of, floats) if key is not None)
+    memory = {id(t): memory_of(t) for t in floats}
+    shared = collections.Counter(memory[id(t)] for t in floats if memory[id(t)] is not None)
     leaves: dict[Any, Tensor] = {}
 
     def one(t: Any) -> Any:
         if not (isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())):
             return t
-        key = memory_of(t)
+        key = memory[id(t)]
         if key is None or shared[key] < 2:
             return t.detach().requires_grad_(True)
         if key not in leaves:
-            leaves[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()).requires_grad_(True)
+            leaves[key] = whole_memory(t).requires_grad_(True)
         return leaves[key].as_strided(t.size(), t.stride(), t.storage_offset())
 
     return pytree.tree_map(one, value)

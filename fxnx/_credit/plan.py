@@ -305,9 +305,9 @@ def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule) -> str:
     if G.graph.get("capture") not in _SPECIALISED:
         return ""
     changed = []
-    for node in gm.graph.nodes:
+    for node in gm.graph.find_nodes(op="placeholder"):
         value, had = node.meta.get("val"), G.nodes[node.name].get("out_shape") if node.name in G else None
-        if node.op == "placeholder" and isinstance(value, Tensor) and isinstance(had, tuple) and tuple(value.shape) != had:
+        if isinstance(value, Tensor) and isinstance(had, tuple) and tuple(value.shape) != had:
             changed.append(f"{node.name} {had} then, {tuple(value.shape)} now")
     if changed:
         return (

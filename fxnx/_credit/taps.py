@@ -52,11 +52,16 @@ class TapSpec:
     def drawn_now(self) -> list[tuple[Tensor, int] | None]:
         """Each place's ``B`` with its write counter, where it is drawn (see :meth:`send`)."""
         found: list[tuple[Tensor, int] | None] = []
-        for entry, k in self.pairs:
-            drawn = getattr(entry.rule, "_B", ())
-            B = drawn[k] if k < len(drawn) else None
+        for j in range(len(self.pairs)):
+            B = self._feedback(j)
             found.append(None if B is None else (B, version(B)))
         return found
+
+    def _feedback(self, j: int) -> Tensor | None:
+        """Place ``j``'s ``B`` as its rule holds it now (None before its first draw)."""
+        entry, k = self.pairs[j]
+        drawn = getattr(entry.rule, "_B", ())
+        return drawn[k] if k < len(drawn) else None
 
     def send(self, j: int, e: Tensor, shape: torch.Size, dtype: torch.dtype, state: RoutingState) -> Tensor:
         """Place ``j``'s projection of ``e``, with its ``B`` as the forward pass left it
@@ -64,9 +69,8 @@ class TapSpec:
         autograd refuses a write into what it saved."""
         if state._drawn is not None and state._drawn[j] is not None:
             then, stamp = state._drawn[j]
-            entry, k = self.pairs[j]
-            if entry.rule._B[k] is not then or version(then) != stamp:
-                raise RuntimeError(feedback_written(entry.call.name))
+            if version(then) != stamp or self._feedback(j) is not then:
+                raise RuntimeError(feedback_written(self.pairs[j][0].call.name))
         key = (e.shape[1], e.dtype, shape, dtype)
         known, sender = self.senders[j]
         if known != key:
