@@ -991,3 +991,32 @@ def test_direct_feedback_written_between_forward_and_backward_is_refused(layer):
     h = torch.tanh(model[0](x))
     want = (torch.ones(4, 3, dtype=F64) @ router.feedback["_2"] * (1 - h.pow(2))).T @ x
     assert rel_error(model[0].weight.grad, want) <= 1e-12
+
+
+@pytest.mark.parametrize("layer", ["module", "hooked", "conv"])
+def test_sign_symmetry_magnitudes_written_between_forward_and_backward_are_refused(layer):
+    """A write into frSF's magnitudes ``M`` (``router.feedback``) after the forward pass was
+    read by its backward pass: 1.0 off the step's credit, silently. Refused now, naming the
+    node, on the fused ``nn.Linear`` path, the hooked path and a convolution; the step after
+    the write is routed with the written ``M``. Oracle: autograd through the model with the
+    last layer's weight swapped for ``sign(W)·M`` (``torch.func.functional_call``)."""
+    torch.manual_seed(0)
+    if layer == "conv":
+        model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Conv1d(3, 2, 3)).double()
+        x = torch.randn(4, 2, 9, dtype=F64)
+    else:
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+        x = torch.randn(4, 5, dtype=F64)
+    if layer == "hooked":
+        model[2].register_forward_hook(lambda m, i, o: None)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="frsf")
+    out = router(x)
+    router.feedback["_2"].mul_(2)
+    with pytest.raises(RuntimeError, match="node '_2': its feedback weights B were modified"):
+        out.sum().backward()
+    model.zero_grad()
+    router(x).sum().backward()  # after the write: routed with the written M
+    B = torch.sign(model[2].weight.detach()) * router.feedback["_2"]
+    oracle = copy.deepcopy(model)
+    torch.func.functional_call(oracle, {"2.weight": B}, (x,)).sum().backward()
+    assert rel_error(model[0].weight.grad, oracle[0].weight.grad) <= 1e-12

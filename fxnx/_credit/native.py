@@ -37,7 +37,7 @@ from .._errors import FxnxValueError
 from .nodecall import NodeCall
 from .plan import Entry
 from .ruled import FunctionSpec, feedback_written, function_call, written_since
-from .rules import RoutingState, SignSymmetry, signed
+from .rules import RoutingState, SignSymmetry, _Later, signed
 from .transport import feedback_weights
 
 
@@ -78,7 +78,7 @@ class NativeSpec:
         if self.signs:
             magnitudes = self.rule.magnitudes(self.call)
             self.spans = [  # M read when unpacked (brSF draws it then)
-                (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, (magnitudes, name), None, None)
+                (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, _Magnitudes(magnitudes, name), None, None)
                 for name, W in self.weights.items()
             ]
             return
@@ -135,6 +135,27 @@ _HOOKS = saved_tensors_hooks_calls()
 PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
+class _Magnitudes:
+    """Sign symmetry's ``M`` for one weight, as one forward pass took it: a tensor of them
+    (frSF's, or magnitudes given to route a step again) with its write counter then, which
+    :meth:`signed` checks as :func:`_unpack` checks ``B``; a number (uSF) or a fresh draw
+    (brSF) holds nothing a write could change."""
+
+    __slots__ = ("magnitudes", "name", "held", "stamp")
+
+    def __init__(self, magnitudes: Any, name: str) -> None:
+        self.magnitudes, self.name = magnitudes, name
+        held = None if isinstance(magnitudes, _Later) else magnitudes[name]
+        self.held = held if isinstance(held, Tensor) else None
+        self.stamp = None if self.held is None else version(self.held)
+
+    def signed(self, W: Tensor, node: str) -> Tensor:
+        """``sign(W)·M``, refusing an ``M`` written since the forward pass took it."""
+        if self.held is not None and version(self.held) != self.stamp:
+            raise RuntimeError(feedback_written(node))
+        return signed(self.magnitudes, self.name, W)
+
+
 class _SignOf:
     """A view of ``W`` saved by a layer under sign symmetry: on unpacking, the same view of
     ``sign(W)·M`` (``W`` as it was when saved: a write into it since is refused, as autograd
@@ -142,7 +163,7 @@ class _SignOf:
 
     __slots__ = ("W", "M", "version", "size", "stride", "offset", "B", "node")
 
-    def __init__(self, W: Tensor, M: Any, t: Tensor, node: str) -> None:
+    def __init__(self, W: Tensor, M: _Magnitudes, t: Tensor, node: str) -> None:
         self.W, self.M, self.version, self.node = W, M, version(W), node
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset() - W.storage_offset()
         self.B: Tensor | None = None
@@ -152,8 +173,7 @@ class _SignOf:
             W = self.W
             if version(W) != self.version:
                 raise _sign_written(self.node)
-            magnitudes, name = self.M
-            B = signed(magnitudes, name, W.detach())
+            B = self.M.signed(W.detach(), self.node)
             self.B = B.as_strided(self.size, self.stride, B.storage_offset() + self.offset)
         return self.B
 
@@ -295,8 +315,7 @@ class _Linear(torch.autograd.Function):
         if needs[0]:
             _first_order(node)
             if spec.signs:
-                magnitudes, name = ctx.feedback
-                B = signed(magnitudes, name, saved[1].detach())
+                B = ctx.feedback.signed(saved[1].detach(), node)
             else:
                 B = ctx.feedback
                 if version(B) != ctx.stamp:
