@@ -348,6 +348,27 @@ def test_update_feedback_says_what_is_missing():
         kp.update_feedback()
 
 
+@pytest.mark.parametrize("missing", ["gradient", "lr"])
+def test_update_feedback_refuses_a_kolen_pollack_step_it_cannot_take_and_changes_no_b(missing):
+    """After ``opt.zero_grad()`` (``W.grad`` None) Kolen–Pollack's step did nothing, silently;
+    without ``lr`` a weight mirror routed beside it had learned before the error. Both are
+    refused now before any ``B`` moves, naming the node."""
+    model = _mlp(5, 7, 3)
+    x = torch.randn(4, 5, dtype=f64)
+    rules = {"_0": fxnx.credit.WeightMirror(), "_2": fxnx.credit.KolenPollack()}
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rules=rules)
+    router(x).sum().backward()
+    if missing == "gradient":
+        model.zero_grad()
+    before = {n: B.clone() for n, B in router.feedback.items() if isinstance(B, torch.Tensor)}
+    match = "no weight it routes has a gradient" if missing == "gradient" else "needs the optimizer's lr="
+    with pytest.raises(fxnx.errors.FxnxValueError, match=f"node '_2'.*{match}"):
+        router.update_feedback(lr=0.1 if missing == "gradient" else None)
+    assert set(before) == {"_0", "_2"}
+    for n, B in before.items():
+        assert torch.equal(router.feedback[n], B), n
+
+
 def test_kolen_pollack_warns_when_b_is_never_updated():
     model = _mlp(5, 7, 3)
     x = torch.randn(4, 5, dtype=f64)

@@ -20,6 +20,7 @@ router.update_feedback(lr=..., weight_decay=...))``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -95,11 +96,7 @@ class KolenPollack(_Learned):
     name = "kolen_pollack"
 
     def learn(self, lr: float | None, weight_decay: float) -> None:
-        if lr is None:
-            raise FxnxValueError(
-                f"kolen_pollack at node {self._call.name!r}: B takes W's update, so "
-                "update_feedback needs the optimizer's lr= (and weight_decay=)"
-            )
+        assert lr is not None  # checked for every node first (check_learning)
         with torch.no_grad():
             for p, W in feedback_weights(self._call).items():
                 if W.grad is None:
@@ -107,6 +104,27 @@ class KolenPollack(_Learned):
                 B = self._weights[p]
                 B.mul_(1 - lr * weight_decay).sub_(W.grad.to(B.dtype), alpha=lr)
         self._updates += 1
+
+
+def check_learning(learners: Iterable[Rule], lr: float | None) -> None:
+    """Refuse an ``update_feedback`` step that Kolen–Pollack cannot take, before any ``B``
+    learns: without the optimizer's ``lr``, or where no weight it routes has a gradient (after
+    ``opt.zero_grad()``, which sets ``W.grad`` to None, the step would do nothing)."""
+    kp = [rule for rule in learners if isinstance(rule, KolenPollack)]
+    if not kp:
+        return
+    node = kp[0]._call.name
+    if lr is None:
+        raise FxnxValueError(
+            f"kolen_pollack at node {node!r}: B takes W's update, so "
+            "update_feedback needs the optimizer's lr= (and weight_decay=)"
+        )
+    if all(W.grad is None for rule in kp for W in feedback_weights(rule._call).values()):
+        raise FxnxValueError(
+            f"kolen_pollack at node {node!r}: no weight it routes has a gradient (W.grad is None), "
+            "so B has no update to take: call update_feedback after loss.backward() and "
+            "opt.step(), before opt.zero_grad()"
+        )
 
 
 class WeightMirror(_Learned):

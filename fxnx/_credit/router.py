@@ -39,6 +39,7 @@ from .accumulated import accumulated, reaches
 from .compare import cosine_angle, flat
 from .faithful import Probe, backward_differs, check_hooks, differs, probe
 from .graft import Graft, graft
+from .learned import check_learning
 from .nodecall import NodeCall
 from .plan import Plan, check_arguments, compile_plan
 from .presets import (
@@ -402,7 +403,7 @@ class CreditRouter(nn.Module):
         ------
         FxnxValueError
             No node's rule learns its feedback (or none has run yet), or Kolen–Pollack
-            without ``lr``.
+            without ``lr`` or without any ``W.grad`` (called after ``opt.zero_grad()``).
         """
         learners = {id(rule): rule for rule in self._bound.values() if callable(getattr(rule, "learn", None))}
         if not learners:
@@ -410,6 +411,7 @@ class CreditRouter(nn.Module):
                 "update_feedback: no node of this router has feedback that learns (rules "
                 "'kolen_pollack' and 'weight_mirror' do), or none has run yet: call router(x) first"
             )
+        check_learning(learners.values(), lr)
         for rule in learners.values():
             rule.learn(lr, weight_decay)
 
