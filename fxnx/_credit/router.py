@@ -484,7 +484,10 @@ class CreditRouter(nn.Module):
                     and all(a is b for a, b in zip(bound[:n], inputs, strict=True))
                     and not any(isinstance(v, Tensor) for v in pytree.tree_leaves(bound[n:]))
                 ) else None
-        return run, cap.inputs or []
+        # The model's own inputs, as later calls pass them (the capture's are copies: a model
+        # that writes into its input must write into the caller's, as model(x) does)
+        values = placeholders_for(cap, self.model, inputs, kwargs, copy=collect)
+        return run, values if values is not None else (cap.inputs or [])
 
     def _probe(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
                *, compare: bool = True, every_call: bool = False) -> Probe:
