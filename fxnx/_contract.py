@@ -297,6 +297,7 @@ PRESENCE = {
     "skips_found": "when skip_connections found any",
     "opaque": "when a submodule was kept whole",
     "route_credit": "after route_credit",
+    "module": "when the model is an nn.Module",
 }
 
 GRAPH_ATTRIBUTES = (
@@ -322,6 +323,9 @@ GRAPH_ATTRIBUTES = (
               "one {name, shape, dtype} per placeholder, in order"),
     Attribute("modules", "dict str -> str", "always",
               "module path to qualified class name; \"\" is the model"),
+    Attribute("training", "bool", "module",
+              "the model's mode (model.training) when it was captured: a route that runs the "
+              "model's Python (symbolic_trace, export) keeps the branches of that mode"),
     Attribute("num_params", "int >= 0", "always", "parameters of the model"),
     Attribute("trainable_params", "int >= 0", "costs",
               "parameters of the model that train (requires_grad); the rest are frozen"),

@@ -216,6 +216,8 @@ def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None)
         capture_failures=dict(cap.failures),
         capture_options=cap.options.to_plain(),
     )
+    if isinstance(cap.model, nn.Module):
+        G.graph["training"] = cap.model.training
     if cap.opaque:  # an empty list breaks torch_geometric's from_networkx: written only when any
         G.graph["opaque_modules"] = list(cap.opaque)
     if cap.fixed_kwargs:

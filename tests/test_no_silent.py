@@ -1020,3 +1020,61 @@ def test_sign_symmetry_magnitudes_written_between_forward_and_backward_are_refus
     oracle = copy.deepcopy(model)
     torch.func.functional_call(oracle, {"2.weight": B}, (x,)).sum().backward()
     assert rel_error(model[0].weight.grad, oracle[0].weight.grad) <= 1e-12
+
+
+class _ModeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.a(x) if self.training else self.b(x)
+
+
+@pytest.mark.parametrize(("routes", "converted_in"), [
+    ("symbolic_trace", "train"), ("symbolic_trace", "eval"), ("export", "train"), ("export", "eval"),
+])
+def test_a_model_routed_in_the_other_mode_than_g_was_converted_in_is_told_so(routes, converted_in):
+    """A graph that differs between train and eval mode (a Python branch on ``self.training``
+    under symbolic trace; dropout and batch norm under export) was refused as "G lacks nodes"
+    or "G has nodes the model does not compute", naming no mode. G now records the mode it was
+    converted in, and the refusal says which mode to convert in."""
+    torch.manual_seed(0)
+    if routes == "export":
+        model = nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.5), nn.Linear(7, 3), nn.BatchNorm1d(3))
+    else:
+        model = _ModeBranch()
+    x = torch.randn(4, 5)
+    model.train(converted_in == "train")
+    G = fxnx.convert(model, x, routes=routes)
+    assert G.graph["training"] is (converted_in == "train")
+    fxnx.validate(G)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    model.train(converted_in != "train")
+    now = "eval" if converted_in == "train" else "train"
+    pattern = rf"converted with the model in {'training' if converted_in == 'train' else 'eval'} mode.*model\.{now}\(\) before fxnx\.convert"
+    with pytest.raises(fxnx.errors.FxnxValueError, match=pattern):
+        router(x)
+    model.train(converted_in == "train")  # back in G's mode: routed
+    router(x).sum().backward()
+
+
+def test_a_routers_first_call_writes_into_the_callers_input_as_the_model_does():
+    """A model that writes into its input (``nn.ReLU(inplace=True)`` first): ``model(h)``
+    leaves ``h`` written, and so did every router call but the first, which ran on copies of
+    the inputs and left the caller's ``h`` as it was, silently. Each call now writes it, and a
+    loss that reads ``h`` after the call takes its credit through the write. Oracle: the eager
+    model's write, and the rule's credit written out by hand (``B`` the router's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x = torch.randn(4, 5, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x.clone()), model, rule="feedback_alignment")
+    for _ in range(2):  # the first call, then one after it
+        x0 = x.clone().requires_grad_()
+        h, want = x0 * 1, model(x.clone())
+        out = router(h)
+        assert torch.equal(h, torch.relu(x)) and torch.equal(out, want)
+        (out.sum() + h.pow(2).sum() / 2).backward()  # h as the model left it
+        t = torch.tanh(model[1](torch.relu(x)))
+        credit = (torch.ones(4, 3, dtype=F64) @ router.feedback["_3"] * (1 - t.pow(2))) @ router.feedback["_1"]
+        assert rel_error(x0.grad, (credit + torch.relu(x)) * (x > 0)) <= 1e-12

@@ -98,14 +98,14 @@ def compile_plan(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any, choose: Cho
                     entry.param = param_names[id(value)]
         origins[node.name] = origin(node, weight_nodes.get(node.name), origins)
         entries[node.name] = entry
-    _check_nodes(G, entries, gm)
+    _check_nodes(G, entries, gm, model)
     _check_outputs(G, entries)
     _check_writes(gm)
     for entry in entries.values():
         call = entry.call
         if call.op in ("placeholder", "get_attr"):
             continue
-        matched = set(_match_edges(G, call, gm).values())
+        matched = set(_match_edges(G, call, gm, model).values())
         entry.cut = frozenset(k for k in range(len(call.sources)) if k not in matched)
         if call.op != "output":
             # A node the model runs with gradients off passes no credit, whatever the rule.
@@ -217,7 +217,7 @@ def check_arguments(G: nx.MultiDiGraph) -> None:
             )
 
 
-def _check_nodes(G: nx.MultiDiGraph, entries: dict[str, Entry], gm: fx.GraphModule) -> None:
+def _check_nodes(G: nx.MultiDiGraph, entries: dict[str, Entry], gm: fx.GraphModule, model: Any) -> None:
     model_nodes = list(entries)
     missing = [n for n in model_nodes if n not in G]
     extra = sorted(set(G) - set(model_nodes))
@@ -239,12 +239,12 @@ def _check_nodes(G: nx.MultiDiGraph, entries: dict[str, Entry], gm: fx.GraphModu
             "leaf_modules and concrete_args); to cut credit paths, remove edges, not nodes. "
             "If the model changed since G was converted (a model that changes itself on its "
             "first call needs that call before it is converted: a warm-up call), convert it "
-            "again and build a new router."
+            "again and build a new router." + _other_graph(G, gm, model)
         )
     if extra:
         raise FxnxValueError(
             f"G has nodes the model does not compute: {extra[:8]}; was G converted from "
-            "another model, or with other leaf_modules or concrete_args?" + _other_graph(G, gm)
+            "another model, or with other leaf_modules or concrete_args?" + _other_graph(G, gm, model)
         )
 
 
@@ -276,7 +276,7 @@ def _leaves(described: Any) -> int:
     return 1
 
 
-def _match_edges(G: nx.MultiDiGraph, call: NodeCall, gm: fx.GraphModule) -> dict[tuple[str, str, int], int]:
+def _match_edges(G: nx.MultiDiGraph, call: NodeCall, gm: fx.GraphModule, model: Any) -> dict[tuple[str, str, int], int]:
     """Each in-edge of the node in G, mapped to the input occurrence it stands for (in
     ``gm``, the graph captured now)."""
     index = {(src, label): i for i, (src, label) in enumerate(zip(call.sources, call.labels, strict=True))}
@@ -286,7 +286,7 @@ def _match_edges(G: nx.MultiDiGraph, call: NodeCall, gm: fx.GraphModule) -> dict
         if i is None:
             raise FxnxValueError(
                 f"G has an edge {u} -> {v} (arg {arg!r}) that is not an input of node {v!r} in "
-                "the model; credit can only be routed along the model's own dataflow" + _other_graph(G, gm)
+                "the model; credit can only be routed along the model's own dataflow." + _other_graph(G, gm, model)
             )
         matched[(u, v, key)] = i
     return matched
@@ -298,10 +298,21 @@ def _match_edges(G: nx.MultiDiGraph, call: NodeCall, gm: fx.GraphModule) -> dict
 _SPECIALISED = frozenset({"export", "draft_export", "make_fx"})
 
 
-def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule) -> str:
-    """Why the graph captured now may differ from ``G`` though neither was edited, for a route
-    whose graph follows its inputs: the inputs' shapes that changed since ``G`` was converted
-    (naming them), else the causes that leave no trace in ``G``. Empty for other routes."""
+def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any) -> str:
+    """Why the graph captured now may differ from ``G`` though neither was edited: the model
+    in the other mode (train or eval) than when ``G`` was converted; for a route whose graph
+    follows its inputs, the inputs' shapes that changed since (naming them), else the causes
+    that leave no trace in ``G``. Empty where none applies."""
+    then = G.graph.get("training")
+    if isinstance(model, nn.Module) and isinstance(then, bool) and model.training != then:
+        modes = ("eval", "training")
+        return (
+            f" G was converted with the model in {modes[then]} mode, and it is in "
+            f"{modes[model.training]} mode now: its graph differs between the two (a branch on "
+            "self.training; dropout and batch norm in an exported graph). Convert G in the mode "
+            f"the model runs in here (model.{'train' if model.training else 'eval'}() before "
+            "fxnx.convert) and build a new router"
+        )
     if G.graph.get("capture") not in _SPECIALISED:
         return ""
     changed = []
@@ -311,13 +322,13 @@ def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule) -> str:
             changed.append(f"{node.name} {had} then, {tuple(value.shape)} now")
     if changed:
         return (
-            f". The model's graph ({G.graph['capture']}) follows its inputs' shapes, and these differ "
+            f" The model's graph ({G.graph['capture']}) follows its inputs' shapes, and these differ "
             f"from those G was converted with: {'; '.join(changed[:4])}{' …' if len(changed) > 4 else ''}. "
             "Convert G with inputs shaped like these (a branch in the model's Python may take "
             "another path for them)"
         )
     return (
-        f". If G was not edited, the model's graph ({G.graph['capture']}) follows its inputs, and a "
+        f" If G was not edited, the model's graph ({G.graph['capture']}) follows its inputs, and a "
         "branch in its Python on their values may take another path for these: convert G with "
         "inputs like these"
     )
