@@ -1078,3 +1078,28 @@ def test_a_routers_first_call_writes_into_the_callers_input_as_the_model_does():
         t = torch.tanh(model[1](torch.relu(x)))
         credit = (torch.ones(4, 3, dtype=F64) @ router.feedback["_3"] * (1 - t.pow(2))) @ router.feedback["_1"]
         assert rel_error(x0.grad, (credit + torch.relu(x)) * (x > 0)) <= 1e-12
+
+
+class _OwnWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.fc = nn.Parameter(torch.randn(3, 5)), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(F.linear(x, self.w)))
+
+
+@pytest.mark.parametrize("model", ["modules", "own_weight"])
+def test_a_router_under_functional_call_says_its_parameters_were_swapped(model):
+    """``torch.func.functional_call(router, params, x)`` swaps plain tensors in for the model's
+    parameters, which the router's rules were bound to. It was refused as "its weight was
+    replaced … build a new router" or "G lacks nodes ['_tensor_constant0']"; the refusal now
+    names the swapped parameters and functional_call."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)) if model == "modules" else _OwnWeight()
+    x = torch.randn(4, 5)
+    router = fxnx.CreditRouter(fxnx.convert(net, x), net, rule="feedback_alignment")
+    router(x).sum().backward()
+    params = {n: p.detach().clone().requires_grad_() for n, p in router.named_parameters()}
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"parameters \[.*\] are plain tensors swapped in .*functional_call"):
+        torch.func.functional_call(router, params, (x,))

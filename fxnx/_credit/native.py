@@ -35,7 +35,7 @@ from .._compat import (
 )
 from .._errors import FxnxValueError
 from .nodecall import NodeCall
-from .plan import Entry
+from .plan import Entry, swapped_in
 from .ruled import FunctionSpec, feedback_written, function_call, written_since
 from .rules import RoutingState, SignSymmetry, _Later, signed
 from .transport import feedback_weights
@@ -245,6 +245,9 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
         if call.module is not None:
             now = dict(call.module.named_parameters())
             replaced = [name for name, W in spec.weights.items() if now.get(name) is not W]
+            swapped = swapped_in(call.module)
+            if swapped:
+                raise FxnxValueError(f"node {call.name!r}: its layer's parameters are not the model's own." + swapped)
             if replaced:
                 raise FxnxValueError(
                     f"node {call.name!r}: its {', '.join(replaced)} was replaced by another tensor "

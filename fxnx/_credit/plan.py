@@ -298,11 +298,30 @@ def _match_edges(G: nx.MultiDiGraph, call: NodeCall, gm: fx.GraphModule, model: 
 _SPECIALISED = frozenset({"export", "draft_export", "make_fx"})
 
 
+def swapped_in(model: Any) -> str:
+    """A sentence naming the model's parameters that are plain tensors swapped in for this
+    call (what ``torch.func.functional_call`` does), or empty: the router routes credit to
+    the model's own parameters, and its feedback weights were made for them."""
+    swapped = [n for n, p in model.named_parameters() if not isinstance(p, nn.Parameter)] if isinstance(model, nn.Module) else []
+    if not swapped:
+        return ""
+    return (
+        f" The model's parameters {swapped[:4]}{' …' if len(swapped) > 4 else ''} are plain tensors "
+        "swapped in for this call (torch.func.functional_call does this): the router routes "
+        "credit to the model's own parameters, and its rules were bound to them. Call the router "
+        "with the model's own parameters (copy other values into them under torch.no_grad()), "
+        "or use the model itself under torch.func"
+    )
+
+
 def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any) -> str:
     """Why the graph captured now may differ from ``G`` though neither was edited: the model
     in the other mode (train or eval) than when ``G`` was converted; for a route whose graph
     follows its inputs, the inputs' shapes that changed since (naming them), else the causes
     that leave no trace in ``G``. Empty where none applies."""
+    swapped = swapped_in(model)
+    if swapped:
+        return swapped
     then = G.graph.get("training")
     if isinstance(model, nn.Module) and isinstance(then, bool) and model.training != then:
         modes = ("eval", "training")
