@@ -789,3 +789,34 @@ def test_a_model_whose_output_grew_since_conversion_is_refused_not_routed_withou
     y, h = model(x)
     (y.sum() + h.pow(2).sum()).backward()
     assert rel_error(got, model.l1.weight.grad) <= 1e-12
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize(("rule", "backend"), [
+    *((rule, "aot_eager") for rule in (*PRESETS, "kolen_pollack")),
+    ("exact", "inductor"), ("feedback_alignment", "inductor"),
+])
+def test_a_compiled_router_routes_each_step_as_the_router_does(rule, backend, hooked):
+    """``torch.compile(router)``: every routed step was refused ("feedback weights B were
+    modified"), because traced, the write counters the router checks were read at trace time.
+    Routed layers now run eagerly inside the compiled forward. Oracle: the same router
+    uncompiled, on a copy of the model, step for step (brSF draws afresh at each step), with
+    the decay term's exact gradient; inductor (slower to compile) for two rules."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))  # float32: B is a copy
+    if hooked:  # the hooked path, not the fused nn.Linear one
+        model[2].register_forward_hook(lambda m, i, o: None)
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 5)
+    plain = fxnx.CreditRouter(fxnx.convert(twin, x), twin, rule=rule, seed=0)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, seed=0)
+    compiled = torch.compile(router, backend=backend)
+    torch._dynamo.reset()
+    for step in range(3):
+        for net, run in ((model, router if step == 0 else compiled), (twin, plain)):
+            net.zero_grad()
+            out = run(x)
+            assert rel_error(out, twin(x)) <= 1e-6
+            (out.pow(2).sum() + _decay(net)).backward()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert rel_error(p.grad, q.grad) <= 1e-6  # float32: inductor fuses the rest

@@ -244,13 +244,15 @@ class CreditRouter(nn.Module):
                 "which records nothing: call it with gradients enabled"
             )
             return self.model(*inputs, **kwargs)
-        run, values = self.grafted(inputs, kwargs, collect=self.node_credit)
+        compiling = torch.compiler.is_compiling()
+        run, values = (_grafted_eagerly(self, inputs, kwargs, collect=self.node_credit) if compiling
+                       else self.grafted(inputs, kwargs, collect=self.node_credit))
         with TRACING_LOCK:  # other threads' tracing must not patch the modules this run calls
             if run.plain:  # routing is autograd's own: the model's forward, bit for bit
                 result = output = self._eager(inputs, kwargs)
                 nodes = None
             else:
-                result, output, nodes = run_checked(run, self.model, values)
+                result, output, nodes = (_run_checked_eagerly if compiling else run_checked)(run, self.model, values)
         self._last.run = (run, result, output, nodes)
         return result
 
@@ -721,6 +723,15 @@ def run_checked(run: Graft, model: Any, values: list[Any]) -> tuple[Any, Any, An
         with torch.no_grad(), preserved(model):
             run.probe(values)  # raises the error naming the node, where a node fails
         raise err
+
+
+# Under torch.compile (the router compiled, or a model holding it): the capture, its guard
+# and a routed run go eagerly, a graph break each. Traced, the write counters the routed
+# nodes check (of B, W and what they save) would be read at trace time, not when they run,
+# and every step refused; the rules' Python state (a tap's places reached, brSF's draws)
+# would be replayed, not run. A plain run (every node exact) is the model's forward, compiled.
+_grafted_eagerly = torch.compiler.disable(CreditRouter.grafted, recursive=True)
+_run_checked_eagerly = torch.compiler.disable(run_checked, recursive=True)
 
 
 def _preset(rule: Any) -> Preset:
