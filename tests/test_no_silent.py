@@ -1103,3 +1103,26 @@ def test_a_router_under_functional_call_says_its_parameters_were_swapped(model):
     params = {n: p.detach().clone().requires_grad_() for n, p in router.named_parameters()}
     with pytest.raises(fxnx.errors.FxnxValueError, match=r"parameters \[.*\] are plain tensors swapped in .*functional_call"):
         torch.func.functional_call(router, params, (x,))
+
+
+@pytest.mark.parametrize("rule", sorted(fxnx.credit.PRESETS))
+def test_an_empty_batch_is_routed_by_every_preset(rule):
+    """A batch of zero samples (the last, empty, batch of a loader): direct feedback
+    alignment failed with a bare IndexError, then "cannot reshape tensor of 0 elements"
+    (its per-sample view of the output credit). Every preset now routes it as autograd does:
+    the model's output, and zero credit for every parameter and the input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 3)
+    ).double()
+    x = torch.randn(4, 3, 4, 4, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule)
+    empty = x[:0].clone().requires_grad_()
+    out = router(empty)
+    assert torch.equal(out, model(x[:0]))
+    out.pow(2).sum().backward()
+    assert torch.equal(empty.grad, torch.zeros_like(empty))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p)), name
+    model.zero_grad()
+    assert torch.equal(router(x), model(x))  # a full batch after it

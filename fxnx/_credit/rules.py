@@ -697,7 +697,12 @@ def _flat_output_credit(output_credit: Any) -> Tensor | None:
             "direct feedback alignment needs every output tensor to share a leading batch "
             f"dimension; the output credit has shapes {[tuple(t.shape) for t in parts]}"
         )
-    return torch.cat([t.reshape(t.shape[0], -1) for t in parts], 1)
+    return torch.cat([per_sample(t) for t in parts], 1)
+
+
+def per_sample(t: Tensor) -> Tensor:
+    """``t`` as an ``(N, D)`` matrix, one row per sample (``-1`` would not do for ``N = 0``)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
 RuleLike = Rule | Callable[[NodeCall, Credit, RoutingState], Routed]

@@ -53,7 +53,7 @@ class Geometry:
         """The credit at an input of ``shape`` for output credit ``e`` (``N × D``) through
         feedback kernel ``B`` (``D × C_in × kernel``)."""
         n, c, *size = shape
-        K = (e @ B.reshape(B.shape[0], -1)).reshape(n * c, -1)  # N·C_in × kernel offsets
+        K = (e @ B.reshape(B.shape[0], -1)).reshape(n * c, math.prod(self.kernel))  # N·C_in × kernel offsets
         return (K @ coverage(self, tuple(size), K.dtype, K.device)).reshape(shape)
 
 

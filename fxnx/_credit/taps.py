@@ -26,7 +26,7 @@ from .feedback import check_bytes, readable
 from .native import PLAIN_TENSORS
 from .plan import Entry
 from .ruled import detached, feedback_written
-from .rules import RoutingState
+from .rules import RoutingState, per_sample
 
 
 class TapSpec:
@@ -133,7 +133,7 @@ class _Tap(torch.autograd.Function):
         sent: list[Tensor | None] = []
         spec = ctx.spec
         if spec.pairs:
-            e = ctx.state._direct = torch.cat([g.reshape(g.shape[0], -1) for g in grads], 1)
+            e = ctx.state._direct = torch.cat([per_sample(g) for g in grads], 1)
             needs = ctx.needs_input_grad[3 + len(slots):]
             received = ctx.state._received
             for j, (shape, dtype, needed) in enumerate(zip(ctx.shapes, ctx.dtypes, needs, strict=True)):
@@ -283,7 +283,7 @@ def _unreached(spec: TapSpec, outs: list[Tensor], projected: Sequence[Any], rece
 def _check_feedback_bytes(spec: list[tuple[Entry, int]], outs: Sequence[Tensor], projected: Sequence[Any]) -> None:
     """Refuse, before drawing any, direct feedback whose weights would take more than the
     rule allows (``max_bytes``), naming the largest."""
-    d = sum(t[0].numel() if t.dim() else 1 for t in outs)
+    d = sum(math.prod(t.shape[1:]) for t in outs)
     sizes = []
     for (entry, k), x in zip(spec, projected, strict=True):
         if isinstance(x, Tensor) and x.requires_grad:
