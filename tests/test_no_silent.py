@@ -1126,3 +1126,28 @@ def test_an_empty_batch_is_routed_by_every_preset(rule):
         assert torch.equal(p.grad, torch.zeros_like(p)), name
     model.zero_grad()
     assert torch.equal(router(x), model(x))  # a full batch after it
+
+
+@pytest.mark.parametrize("layer", ["weight_norm", "spectral_norm"])
+def test_a_weight_recomputed_by_an_old_style_hook_is_refused_as_computed(layer):
+    """``torch.nn.utils.weight_norm`` and ``spectral_norm`` (their old form) recompute the
+    layer's weight in a forward pre-hook: a router built afresh was refused at its first call
+    as "its weight was replaced … since the router was built … build a new router", which
+    failed again. The refusal now names the cause and the way out, which works: that node
+    routed exactly (checked against autograd, every other node being before it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    getattr(torch.nn.utils, layer)(model[2])
+    x = torch.randn(6, 4, dtype=F64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node '_2': its weight is not a parameter but a tensor computed afresh"):
+        router(x)
+    rules = {"_2": fxnx.credit.Exact()}
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", rules=rules)
+    twin = copy.deepcopy(model)
+    torch.manual_seed(1)
+    router(x).pow(2).sum().backward()
+    torch.manual_seed(1)
+    twin(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert rel_error(p.grad, q.grad) <= 1e-12, name

@@ -248,6 +248,16 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
             swapped = swapped_in(call.module)
             if swapped:
                 raise FxnxValueError(f"node {call.name!r}: its layer's parameters are not the model's own." + swapped)
+            held = {*now, *dict(call.module.named_buffers())}
+            computed = [name for name in replaced if name not in held]
+            if computed:
+                raise FxnxValueError(
+                    f"node {call.name!r}: its {', '.join(computed)} is not a parameter but a tensor "
+                    "computed afresh at each call (torch.nn.utils.weight_norm or spectral_norm, in "
+                    "their old form, recompute it in a forward pre-hook), so no feedback weight can "
+                    "stand in for it. Route it exactly, knowing its credit is backprop's "
+                    f"(rules={{{call.name!r}: fxnx.credit.Exact()}}), or make the weight a parameter"
+                )
             if replaced:
                 raise FxnxValueError(
                     f"node {call.name!r}: its {', '.join(replaced)} was replaced by another tensor "
