@@ -8,6 +8,7 @@ running.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import threading
 
@@ -1151,3 +1152,57 @@ def test_a_weight_recomputed_by_an_old_style_hook_is_refused_as_computed(layer):
     twin(x).pow(2).sum().backward()
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert rel_error(p.grad, q.grad) <= 1e-12, name
+
+
+class _Up(nn.Module):
+    """A transposed convolution after a convolution, as a layer or as the function."""
+
+    def __init__(self, dims, functional):
+        super().__init__()
+        conv, up = (nn.Conv1d, nn.ConvTranspose1d) if dims == 1 else (nn.Conv2d, nn.ConvTranspose2d)
+        self.pre, self.up = conv(2, 4, 1), up(4, 6, 3, stride=2, output_padding=1, groups=2)
+        self.transpose = (F.conv_transpose1d if dims == 1 else F.conv_transpose2d) if functional else None
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))
+        if self.transpose is not None:
+            return self.transpose(h, self.up.weight, self.up.bias, stride=2, output_padding=1, groups=2)
+        return self.up(h)
+
+
+@pytest.mark.parametrize("rule", ["feedback_alignment", "frsf", "kolen_pollack", "direct_feedback_alignment"])
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_transposed_convolution_follows_the_rule_as_a_layer_and_as_a_function(dims, routes, rule):
+    """``nn.ConvTranspose2d`` was routed exactly under every feedback preset when traced
+    symbolically, while ``F.conv_transpose2d`` (and the layer itself, exported: its ATen call)
+    followed the rule: one model trained differently by how it was written or captured. Now
+    the layer follows the rule as the function does. Oracles: weight transport by hand
+    (forward through ``W``, the input's credit through ``B``: ``B`` feedback alignment's and
+    Kolen–Pollack's own, ``sign(W)·M`` for frSF), the layer's own parameters exact; for DFA,
+    the function written out with the layer's feedback given to it."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, *(5,) * dims, dtype=F64)
+    layer = _Up(dims, functional=False).double()
+    G = fxnx.convert(layer, x, routes=routes)
+    (name,) = [n for n, target in G.nodes(data="target") if n == "up" or "conv_transpose" in str(target)]
+    router = fxnx.CreditRouter(G, layer, rule=rule)
+    router(x).pow(2).sum().backward()
+    oracle = _Up(dims, functional=True).double()
+    oracle.load_state_dict(layer.state_dict())
+    if rule == "direct_feedback_alignment":
+        G = fxnx.convert(oracle, x, routes=routes)
+        (fn,) = [n for n, target in G.nodes(data="target") if "conv_transpose" in str(target)]
+        given = {fn: router.feedback[name], **{n: B for n, B in router.feedback.items() if n != name}}
+        fxnx.CreditRouter(G, oracle, rule=rule, feedback=given)(x).pow(2).sum().backward()
+    else:
+        W, b = oracle.up.weight, oracle.up.bias
+        B = router.feedback[name] * (torch.sign(W.detach()) if rule == "frsf" else 1)
+        h = torch.tanh(oracle.pre(x))
+        up = functools.partial(oracle.transpose, stride=2, output_padding=1, groups=2)
+        out = up(h, B.detach(), None) + (up(h, W, b) - up(h, B.detach(), None)).detach()
+        out.pow(2).sum().backward()  # pre's credit through B
+        mine = up(h.detach(), W, b)
+        mine.backward(2 * mine.detach())  # up's own, exact
+    for (n, p), q in zip(layer.named_parameters(), oracle.parameters(), strict=True):
+        assert rel_error(p.grad, q.grad) <= 1e-12, n

@@ -21,8 +21,10 @@ _aten = torch.ops.aten
 
 #: Convolutions (not transposed): their feedback to the input can be a kernel shared over space.
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Transposed convolutions: their products with a weight are ``F.conv_transposeNd``'s.
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 #: Linear layers and convolutions: the layers whose weights feedback weights stand in for.
-LAYERS = (nn.Linear, *CONVOLUTIONS)
+LAYERS = (nn.Linear, *CONVOLUTIONS, *TRANSPOSED)
 #: torch.nn modules that torch.fx keeps whole (every ``torch.nn`` module is a leaf of a
 #: symbolic trace) and that hold linear layers and attention: feedback weights replace theirs.
 CONTAINERS = (
