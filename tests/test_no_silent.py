@@ -1155,54 +1155,74 @@ def test_a_weight_recomputed_by_an_old_style_hook_is_refused_as_computed(layer):
 
 
 class _Up(nn.Module):
-    """A transposed convolution after a convolution, as a layer or as the function."""
+    """A transposed convolution after a convolution: the layer called with ``output_size=``,
+    or the function with the same arguments."""
 
-    def __init__(self, dims, functional):
+    def __init__(self, dims, functional=False):
         super().__init__()
         conv, up = (nn.Conv1d, nn.ConvTranspose1d) if dims == 1 else (nn.Conv2d, nn.ConvTranspose2d)
-        self.pre, self.up = conv(2, 4, 1), up(4, 6, 3, stride=2, output_padding=1, groups=2)
+        self.pre, self.up = conv(2, 4, 1), up(4, 6, 3, stride=2, groups=2)
+        self.size = (12,) * dims  # (5 - 1)·2 + 3, and one more: output_padding 1
         self.transpose = (F.conv_transpose1d if dims == 1 else F.conv_transpose2d) if functional else None
 
     def forward(self, x):
         h = torch.tanh(self.pre(x))
         if self.transpose is not None:
             return self.transpose(h, self.up.weight, self.up.bias, stride=2, output_padding=1, groups=2)
-        return self.up(h)
+        return self.up(h, output_size=self.size)
 
 
-@pytest.mark.parametrize("rule", ["feedback_alignment", "frsf", "kolen_pollack", "direct_feedback_alignment"])
+class _OwnCall(fxnx.credit.FeedbackAlignment):
+    """Feedback alignment as a rule of one's own: run on its node's own graph."""
+
+    def __call__(self, call, credit, state):
+        return super().__call__(call, credit, state)
+
+
+@pytest.mark.parametrize(("rule", "path"), [
+    ("feedback_alignment", "native"), ("frsf", "native"), ("kolen_pollack", "native"),
+    ("direct_feedback_alignment", "native"), ("feedback_alignment", "own_call"), ("feedback_alignment", "autocast"),
+])
 @pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
 @pytest.mark.parametrize("dims", [1, 2])
-def test_a_transposed_convolution_follows_the_rule_as_a_layer_and_as_a_function(dims, routes, rule):
+def test_a_transposed_convolution_follows_the_rule_as_a_layer_and_as_a_function(dims, routes, rule, path):
     """``nn.ConvTranspose2d`` was routed exactly under every feedback preset when traced
     symbolically, while ``F.conv_transpose2d`` (and the layer itself, exported: its ATen call)
     followed the rule: one model trained differently by how it was written or captured. Now
-    the layer follows the rule as the function does. Oracles: weight transport by hand
-    (forward through ``W``, the input's credit through ``B``: ``B`` feedback alignment's and
-    Kolen–Pollack's own, ``sign(W)·M`` for frSF), the layer's own parameters exact; for DFA,
-    the function written out with the layer's feedback given to it."""
+    the layer follows the rule as the function does, natively, as a rule of one's own and
+    under autocast (where the rule runs on the node's own graph, with the call's output_size).
+    Oracles, the functional form written out by hand: weight transport (forward through
+    ``W``, the input's credit through ``B``: feedback alignment's and Kolen–Pollack's own,
+    ``sign(W)·M`` for frSF), the layer's own parameters exact; DFA's ``e·B`` at the layer's
+    input, through ``tanh`` and the first convolution."""
+    if routes == "export" and path == "autocast":
+        pytest.skip("an exported graph under autocast is refused (its captured casts): tested elsewhere")
     torch.manual_seed(0)
-    x = torch.randn(2, 2, *(5,) * dims, dtype=F64)
-    layer = _Up(dims, functional=False).double()
+    autocast = path == "autocast"
+    dtype = torch.float32 if autocast else F64
+    x = torch.randn(2, 2, *(5,) * dims, dtype=dtype)
+    layer = _Up(dims).to(dtype)
     G = fxnx.convert(layer, x, routes=routes)
     (name,) = [n for n, target in G.nodes(data="target") if n == "up" or "conv_transpose" in str(target)]
-    router = fxnx.CreditRouter(G, layer, rule=rule)
-    router(x).pow(2).sum().backward()
-    oracle = _Up(dims, functional=True).double()
+    chosen = _OwnCall() if path == "own_call" else rule
+    router = fxnx.CreditRouter(G, layer, rule=chosen, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = router(x)
+    out = out.to(dtype)  # bfloat16 under autocast
+    out.pow(2).sum().backward()
+    e = 2 * out.detach()
+    oracle = _Up(dims, functional=True).to(dtype)
     oracle.load_state_dict(layer.state_dict())
+    W, b = oracle.up.weight, oracle.up.bias
+    up = functools.partial(oracle.transpose, stride=2, output_padding=1, groups=2)
+    h = torch.tanh(oracle.pre(x))
     if rule == "direct_feedback_alignment":
-        G = fxnx.convert(oracle, x, routes=routes)
-        (fn,) = [n for n, target in G.nodes(data="target") if "conv_transpose" in str(target)]
-        given = {fn: router.feedback[name], **{n: B for n, B in router.feedback.items() if n != name}}
-        fxnx.CreditRouter(G, oracle, rule=rule, feedback=given)(x).pow(2).sum().backward()
+        B = router.feedback[name]
+        h.backward((e.reshape(len(e), -1) @ B.reshape(B.shape[0], -1)).reshape(h.shape))
     else:
-        W, b = oracle.up.weight, oracle.up.bias
-        B = router.feedback[name] * (torch.sign(W.detach()) if rule == "frsf" else 1)
-        h = torch.tanh(oracle.pre(x))
-        up = functools.partial(oracle.transpose, stride=2, output_padding=1, groups=2)
-        out = up(h, B.detach(), None) + (up(h, W, b) - up(h, B.detach(), None)).detach()
-        out.pow(2).sum().backward()  # pre's credit through B
-        mine = up(h.detach(), W, b)
-        mine.backward(2 * mine.detach())  # up's own, exact
+        B = router.feedback[name].to(dtype) * (torch.sign(W.detach()) if rule == "frsf" else 1)
+        out = up(h, B, None) + (up(h, W, b) - up(h, B, None)).detach()
+        out.backward(e, inputs=list(oracle.pre.parameters()))  # pre's credit through B
+    up(h.detach(), W, b).backward(e)  # up's own, exact
     for (n, p), q in zip(layer.named_parameters(), oracle.parameters(), strict=True):
-        assert rel_error(p.grad, q.grad) <= 1e-12, n
+        assert rel_error(p.grad, q.grad) <= (1e-2 if autocast else 1e-12), n

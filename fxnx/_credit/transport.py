@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .._compat import pytree
 from .._errors import FxnxTypeError, FxnxValueError
-from .kinds import CONTAINERS, LAYERS, WEIGHTED_MODULES, kind_name
+from .kinds import CONTAINERS, LAYERS, TRANSPOSED, WEIGHTED_MODULES, kind_name
 from .nodecall import Credit, NodeCall, call_target, pairs
 
 __all__ = ["attention", "exact_parameters", "feedback_weights", "has_weights", "no_weights", "transported"]
@@ -113,7 +113,7 @@ def transported(call: NodeCall, credit: Credit, B: dict[str, Tensor]) -> tuple[l
     inputs: list[Credit] = [None] * len(call.inputs)
     x = call.inputs[0] if call.inputs else None
     if isinstance(x, Tensor) and x.requires_grad and (not call.wanted or call.wanted[0]):
-        inputs[0] = _input_credit(call.module, x, credit, B["weight"].to(credit))
+        inputs[0] = _input_credit(call, x, credit, B["weight"].to(credit))
     return inputs, param_credit
 
 
@@ -221,15 +221,21 @@ def _feedback_linear(layer: nn.Linear, B: Tensor, x: Tensor) -> Tensor:
     return _FeedbackLinear.apply(x, layer.weight, layer.bias, B)
 
 
-def _input_credit(module: Any, x: Tensor, credit: Tensor, B: Tensor) -> Tensor:
+def _input_credit(call: NodeCall, x: Tensor, credit: Tensor, B: Tensor) -> Tensor:
+    module = call.module
     if isinstance(module, nn.Linear):
         return credit @ B
     dims = B.dim() - 2
-    if isinstance(module.padding, str) or module.padding_mode != "zeros":
-        # Padding the layer does itself: differentiate its forward with B as the weight (the
-        # bias does not reach the input's credit).
+    if isinstance(module, TRANSPOSED) or isinstance(module.padding, str) or module.padding_mode != "zeros":
+        # Padding the layer does itself, or a transposed convolution (its output_padding, or
+        # the output_size= of its call): differentiate its call with B as the weight (the bias
+        # does not reach the input's credit).
+        rest, kwargs = tuple(call.args[1:]), dict(call.kwargs)
+        swapped = {"weight": B}  # in B's dtype, as the layer ran under autocast
+        if module.bias is not None:
+            swapped["bias"] = module.bias.detach().to(B.dtype)
         _, vjp = torch.func.vjp(  # type: ignore[misc]  # torch's annotation has no has_aux=False overload (a pair)
-            lambda inp: torch.func.functional_call(module, {"weight": B}, (inp,)), x.detach()
+            lambda inp: torch.func.functional_call(module, swapped, (inp, *rest), kwargs), x.detach().to(B.dtype)
         )
         return vjp(credit)[0]
     return torch.ops.aten.convolution_backward(
