@@ -286,12 +286,16 @@ def test_a_rule_run_on_its_nodes_own_graph_refuses_a_second_backward_and_create_
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_autocast_runs_every_preset_and_exact_equals_autograd(preset):
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+def test_autocast_runs_every_preset_and_exact_equals_autograd(preset, routes):
+    """On an exported graph (ATen calls, no modules) a feedback rule under autocast failed in
+    its backward ("Input type (BFloat16) and weight type (float)"): the rule recomputed its
+    node outside the forward pass's autocast. It recomputes it under that autocast now."""
     torch.manual_seed(0)
     model = _Net().train()
     x = torch.randn(4, 3, 8, 8)
     ref = copy.deepcopy(model)
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=preset)
+    router = fxnx.CreditRouter(fxnx.convert(model, x, routes=routes), model, rule=preset)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = router(x)
         loss = out.float().pow(2).mean()

@@ -11,6 +11,7 @@ refused, as autograd refuses a saved tensor written since it was saved.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +64,7 @@ class _RuleNode(torch.autograd.Function):
             wanted=[_wants(v) for v in values],
         )
         ctx.spec, ctx.state, ctx.values = spec, state, values
+        ctx.autocast = _autocast_now()
         ctx.set_materialize_grads(False)
         leaves_out, tree = pytree.tree_flatten(out)
         tensors = [t.detach() for t in leaves_out if isinstance(t, Tensor)]
@@ -104,7 +106,11 @@ class _RuleNode(torch.autograd.Function):
         none = (None, None, None, None, *([None] * (n_flat + len(spec.params))))
         if all(g is None for g in pytree.tree_leaves(credit)):
             return none
-        with torch.enable_grad():  # a rule may differentiate its node's own small graph
+        # a rule may differentiate its node's own small graph, which it recomputes as the
+        # forward pass computed it: under the same autocast
+        with torch.enable_grad(), contextlib.ExitStack() as stack:
+            for device, dtype in ctx.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
             routed = spec.entry.rule(call, credit, ctx.state)
         inputs, params = checked(call, routed, spec.entry.rule_name)
         out: list[Tensor | None] = [None, None, None, None]
@@ -115,6 +121,14 @@ class _RuleNode(torch.autograd.Function):
         out.extend(params.get(name) for name, _ in spec.params)
         ctx.call = None  # free the node's graph once routed
         return tuple(out)
+
+
+def _autocast_now() -> list[tuple[str, torch.dtype]]:
+    """The devices autocast is on for, with its dtype on each (empty, most often)."""
+    return [(d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def written_since(t: Tensor, saved: int, reader: str) -> str:
