@@ -222,7 +222,7 @@ def _feedback_linear(layer: nn.Linear, B: Tensor, x: Tensor) -> Tensor:
 
 
 def _input_credit(call: NodeCall, x: Tensor, credit: Tensor, B: Tensor) -> Tensor:
-    module = call.module
+    module: Any = call.module  # one of LAYERS
     if isinstance(module, nn.Linear):
         return credit @ B
     dims = B.dim() - 2
