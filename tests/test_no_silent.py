@@ -1090,19 +1090,22 @@ class _OwnWeight(nn.Module):
         return self.fc(torch.tanh(F.linear(x, self.w)))
 
 
-@pytest.mark.parametrize("model", ["modules", "own_weight"])
+@pytest.mark.parametrize("model", ["modules", "own_weight", "own_rule"])
 def test_a_router_under_functional_call_says_its_parameters_were_swapped(model):
     """``torch.func.functional_call(router, params, x)`` swaps plain tensors in for the model's
     parameters, which the router's rules were bound to. It was refused as "its weight was
-    replaced … build a new router" or "G lacks nodes ['_tensor_constant0']"; the refusal now
-    names the swapped parameters and functional_call."""
+    replaced … build a new router" or "G lacks nodes ['_tensor_constant0']"; and a node run
+    by a rule of one's own ran with the swapped tensors but sent its credit to the model's
+    own parameters (the swapped ones got none, silently). Each is refused now, naming the
+    swapped parameters and functional_call."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)) if model == "modules" else _OwnWeight()
+    net = _OwnWeight() if model == "own_weight" else nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     x = torch.randn(4, 5)
-    router = fxnx.CreditRouter(fxnx.convert(net, x), net, rule="feedback_alignment")
+    rules = {"_2": _OwnCall()} if model == "own_rule" else None
+    router = fxnx.CreditRouter(fxnx.convert(net, x), net, rule="exact" if rules else "feedback_alignment", rules=rules)
     router(x).sum().backward()
     params = {n: p.detach().clone().requires_grad_() for n, p in router.named_parameters()}
-    with pytest.raises(fxnx.errors.FxnxValueError, match=r"parameters \[.*\] are plain tensors swapped in .*functional_call"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"Parameters \[.*\] are plain tensors swapped in .*functional_call"):
         torch.func.functional_call(router, params, (x,))
 
 
@@ -1141,7 +1144,7 @@ def test_a_weight_recomputed_by_an_old_style_hook_is_refused_as_computed(layer):
     getattr(torch.nn.utils, layer)(model[2])
     x = torch.randn(6, 4, dtype=F64)
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
-    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node '_2': its weight is not a parameter but a tensor computed afresh"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node '_2': its weight is not a parameter but a tensor set afresh"):
         router(x)
     rules = {"_2": fxnx.credit.Exact()}
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", rules=rules)
@@ -1224,3 +1227,22 @@ def test_a_transposed_convolution_follows_the_rule_as_a_layer_and_as_a_function(
     up(h.detach(), W, b).backward(e)  # up's own, exact
     for (n, p), q in zip(layer.named_parameters(), oracle.parameters(), strict=True):
         assert rel_error(p.grad, q.grad) <= (1e-2 if autocast else 1e-12), n
+
+
+def test_a_router_keeping_node_credit_refuses_a_model_that_writes_into_its_input():
+    """A router with ``node_credit=True`` runs on copies of its inputs (each input's credit a
+    leaf of its own): a model that writes into its input left the caller's tensor unwritten,
+    where ``model(x)`` writes it, at every call, silently. Refused now, naming the node and
+    the input; ``route_credit``, which promises to write into nothing, still routes it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(5, 3)).double()
+    x = torch.randn(4, 5, dtype=F64)
+    G = fxnx.convert(model, x.clone())
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment", node_credit=True)
+    h = x.clone()
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node '_0' writes in place into the model's input 'input_1'.*node_credit=False"):
+        router(h)
+    assert torch.equal(h, x)
+    res = fxnx.route_credit(fxnx.convert(model, x.clone()), model, h, rule="exact")
+    assert torch.equal(h, x)  # as route_credit promises
+    assert rel_error(res.param_credit["1.weight"], torch.ones(4, 3, dtype=F64).T @ torch.relu(x)) <= 1e-12

@@ -74,6 +74,8 @@ class Graft:
     #: Every node routed exactly, every edge in ``G``, no value collected: routing is
     #: autograd's own, and the router runs the model's own forward (:class:`CreditRouter`).
     plain: bool = False
+    #: (node, input) for each write a node makes into an input of the model, in place
+    writes_inputs: tuple[tuple[str, str], ...] = ()
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[Any, Any, Any]:
         """Run the graph: (the model's result, the graph's output, node values or None)."""
@@ -299,7 +301,8 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
         env[node] = value
     module = fx.GraphModule(root, graph, class_name="Routed")
     plain = not collect and all(tier(e) == "exact" and not e.cut for e in plan.entries)
-    return Graft(module, plan, collect, names, starred, origin, plain=plain)
+    writes_inputs = tuple((w, v) for w, victims in probe.writers.items() for v in victims if nodes[v].op == "placeholder")
+    return Graft(module, plan, collect, names, starred, origin, plain=plain, writes_inputs=writes_inputs)
 
 
 def _check_seen_write(entry: Entry, kind: str, cut: set[int], probe: Probe) -> None:

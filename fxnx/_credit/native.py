@@ -253,9 +253,9 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
             if computed:
                 raise FxnxValueError(
                     f"node {call.name!r}: its {', '.join(computed)} is not a parameter but a tensor "
-                    "computed afresh at each call (torch.nn.utils.weight_norm or spectral_norm, in "
-                    "their old form, recompute it in a forward pre-hook), so no feedback weight can "
-                    "stand in for it. Route it exactly, knowing its credit is backprop's "
+                    "set afresh at each call (as torch.nn.utils.weight_norm and spectral_norm, in "
+                    "their old form, set it in a forward pre-hook) or replaced by a plain tensor, so "
+                    "no feedback weight can stand in for it. Route it exactly, knowing its credit is backprop's "
                     f"(rules={{{call.name!r}: fxnx.credit.Exact()}}), or make the weight a parameter"
                 )
             if replaced:

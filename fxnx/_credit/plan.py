@@ -306,7 +306,7 @@ def swapped_in(model: Any) -> str:
     if not swapped:
         return ""
     return (
-        f" The model's parameters {swapped[:4]}{' …' if len(swapped) > 4 else ''} are plain tensors "
+        f" Parameters {swapped[:4]}{' …' if len(swapped) > 4 else ''} are plain tensors "
         "swapped in for this call (torch.func.functional_call does this): the router routes "
         "credit to the model's own parameters, and its rules were bound to them. Call the router "
         "with the model's own parameters (copy other values into them under torch.no_grad()), "
@@ -322,18 +322,32 @@ def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any) -> str:
     swapped = swapped_in(model)
     if swapped:
         return swapped
+    mode = ""
     then = G.graph.get("training")
     if isinstance(model, nn.Module) and isinstance(then, bool) and model.training != then:
         modes = ("eval", "training")
-        return (
+        mode = (
             f" G was converted with the model in {modes[then]} mode, and it is in "
-            f"{modes[model.training]} mode now: its graph differs between the two (a branch on "
+            f"{modes[model.training]} mode now: its graph may differ between the two (a branch on "
             "self.training; dropout and batch norm in an exported graph). Convert G in the mode "
             f"the model runs in here (model.{'train' if model.training else 'eval'}() before "
-            "fxnx.convert) and build a new router"
+            "fxnx.convert) and build a new router."
         )
     if G.graph.get("capture") not in _SPECIALISED:
-        return ""
+        return mode
+    shapes = _shapes_changed(G, gm)
+    if mode or shapes:
+        return mode + shapes
+    return (
+        f" If G was not edited, the model's graph ({G.graph['capture']}) follows its inputs, and a "
+        "branch in its Python on their values may take another path for these: convert G with "
+        "inputs like these"
+    )
+
+
+def _shapes_changed(G: nx.MultiDiGraph, gm: fx.GraphModule) -> str:
+    """A sentence naming the inputs whose shapes differ from those ``G`` was converted with,
+    for a route whose graph follows them; empty where none does."""
     changed = []
     for node in gm.graph.find_nodes(op="placeholder"):
         value, had = node.meta.get("val"), G.nodes[node.name].get("out_shape") if node.name in G else None
@@ -346,8 +360,4 @@ def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any) -> str:
             "Convert G with inputs shaped like these (a branch in the model's Python may take "
             "another path for them)"
         )
-    return (
-        f" If G was not edited, the model's graph ({G.graph['capture']}) follows its inputs, and a "
-        "branch in its Python on their values may take another path for these: convert G with "
-        "inputs like these"
-    )
+    return ""

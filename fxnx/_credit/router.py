@@ -245,13 +245,15 @@ class CreditRouter(nn.Module):
             )
             return self.model(*inputs, **kwargs)
         compiling = torch.compiler.is_compiling()
-        run, values = (_grafted_eagerly(self, inputs, kwargs, collect=self.node_credit) if compiling
-                       else self.grafted(inputs, kwargs, collect=self.node_credit))
+        grafted = torch.compiler.disable(self.grafted, recursive=True) if compiling else self.grafted
+        run, values = grafted(inputs, kwargs, collect=self.node_credit)
         with TRACING_LOCK:  # other threads' tracing must not patch the modules this run calls
             if run.plain:  # routing is autograd's own: the model's forward, bit for bit
                 result = output = self._eager(inputs, kwargs)
                 nodes = None
             else:
+                if run.collect and run.writes_inputs:
+                    _refuse_input_writes(run.writes_inputs)
                 result, output, nodes = (_run_checked_eagerly if compiling else run_checked)(run, self.model, values)
         self._last.run = (run, result, output, nodes)
         return result
@@ -725,12 +727,25 @@ def run_checked(run: Graft, model: Any, values: list[Any]) -> tuple[Any, Any, An
         raise err
 
 
+def _refuse_input_writes(writes: tuple[tuple[str, str], ...]) -> None:
+    """Refuse a router with ``node_credit=True`` whose model writes into its input: it runs
+    on copies of the inputs (each input's credit a leaf of its own), so the caller's tensor
+    would not be written as ``model(x)`` writes it."""
+    node, placeholder = writes[0]
+    raise FxnxValueError(
+        f"node {node!r} writes in place into the model's input {placeholder!r}: a router built with "
+        "node_credit=True runs on copies of its inputs (to report each input's credit), so your "
+        "tensor would not be written as model(x) writes it. Build the router with "
+        "node_credit=False, or write out of place in the model (nn.ReLU(inplace=False)); "
+        "fxnx.route_credit reports every node's credit and never writes into your tensors"
+    )
+
+
 # Under torch.compile (the router compiled, or a model holding it): the capture, its guard
 # and a routed run go eagerly, a graph break each. Traced, the write counters the routed
 # nodes check (of B, W and what they save) would be read at trace time, not when they run,
 # and every step refused; the rules' Python state (a tap's places reached, brSF's draws)
 # would be replayed, not run. A plain run (every node exact) is the model's forward, compiled.
-_grafted_eagerly = torch.compiler.disable(CreditRouter.grafted, recursive=True)
 _run_checked_eagerly = torch.compiler.disable(run_checked, recursive=True)
 
 

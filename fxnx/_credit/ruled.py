@@ -23,7 +23,7 @@ from torch import Tensor
 from .._compat import pytree, version
 from .._errors import FxnxTypeError, FxnxValueError
 from .nodecall import Credit, NodeCall, fresh_leaf, run_node
-from .plan import Entry
+from .plan import Entry, swapped_in
 from .rules import RoutingState
 
 
@@ -38,6 +38,11 @@ class FunctionSpec:
 
 
 def function_call(spec: FunctionSpec, state: RoutingState, *values: Any) -> Any:
+    module = spec.entry.call.module
+    if module is not None:  # its parameters are the Function's inputs: they must be the module's
+        swapped = swapped_in(module)
+        if swapped:
+            raise FxnxValueError(f"node {spec.entry.call.name!r}: its layer's parameters are not the model's own." + swapped)
     flat: list[Tensor] = []
     for value in values:
         flat.extend(t for t in pytree.tree_leaves(value) if isinstance(t, Tensor))
