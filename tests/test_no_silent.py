@@ -1246,3 +1246,47 @@ def test_a_router_keeping_node_credit_refuses_a_model_that_writes_into_its_input
     res = fxnx.route_credit(fxnx.convert(model, x.clone()), model, h, rule="exact")
     assert torch.equal(h, x)  # as route_credit promises
     assert rel_error(res.param_credit["1.weight"], torch.ones(4, 3, dtype=F64).T @ torch.relu(x)) <= 1e-12
+
+
+class _Returns(nn.Module):
+    """A layer's output, a view of the input, and a parameter added to the output (a position
+    embedding at batch 1) and returned as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.pos = nn.Linear(4, 3), nn.Parameter(torch.randn(1, 3))
+
+    def forward(self, x):
+        return self.fc(x) + self.pos, x[:, :2], self.pos
+
+
+@pytest.mark.parametrize("how", ["router", "route_credit"])
+@pytest.mark.parametrize("rule", ["exact", "feedback_alignment"])
+def test_a_result_holds_tensors_of_its_own_whatever_the_model_returns(rule, how):
+    """``CreditResult.output`` was the output detached: it shared memory with the tensor the
+    router returned, and with the input or a parameter where the model returns a view of one,
+    so an optimizer step or a write into the input changed it; and ``route_credit`` handed
+    back the caller's output credit as the credit of a parameter added to the output. Each
+    is a copy now. Oracle: the values as they were when the result was made."""
+    torch.manual_seed(0)
+    model = _Returns().double()
+    x = torch.randn(1, 4, dtype=F64)
+    G = fxnx.convert(model, x)
+    credit = tuple(torch.randn(s, dtype=F64) for s in ((1, 3), (1, 2), (1, 3)))
+    if how == "router":
+        router = fxnx.CreditRouter(G, model, rule=rule)
+        out = router(x)
+        res = router.backward(output_credit=credit)
+        out[0].mul_(0)  # the caller's own output tensor
+    else:
+        res = fxnx.route_credit(G, model, x, rule=rule, output_credit=credit)
+    held = [copy.deepcopy(t) for t in (*res.output, *res.param_credit.values())]
+    if how == "router":
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+    with torch.no_grad():
+        x.mul_(0)
+        model.pos.add_(1)
+        for c in credit:
+            c.zero_()
+    for now, then in zip((*res.output, *res.param_credit.values()), held, strict=True):
+        assert torch.equal(now, then)

@@ -129,7 +129,9 @@ def route_credit(
         params = {n: p for n, p in run.plan.params.items() if p.requires_grad}
         node_credit, param_credit = routed(run.names, nodes, [t for t, _ in pairs], [g for _, g in pairs], params)
     node_credit[run.plan.entries[-1].call.name] = graph_credit(result, output, flat)
-    node_credit = owned(node_credit, output_credit)
+    # a parameter whose credit is the output credit itself (one added to the output, or
+    # returned by the model) gets the caller's tensor back from autograd: copied, as nodes' are
+    node_credit, param_credit = owned(node_credit, output_credit), owned(param_credit, output_credit)
     norms = credit_norms(node_credit)
     result_ = CreditResult(
         node_credit=node_credit,
@@ -137,7 +139,7 @@ def route_credit(
         rules=rules_used(run.plan, node_credit),
         rule=router.preset.name,
         feedback=own(router.feedback),
-        output=pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, result),
+        output=own(result),
     )
     nx.set_node_attributes(G, norms, "credit_norm")
     G.graph["credit_rule"] = result_.rule

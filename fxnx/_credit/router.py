@@ -366,7 +366,7 @@ class CreditRouter(nn.Module):
         used = rules_used(run.plan, nodes_got)
         return CreditResult(
             node_credit=nodes_got, param_credit=params_got, rules=used, rule=self.preset.name,
-            feedback=own(self.feedback), output=_detached(result),
+            feedback=own(self.feedback), output=own(result),
         )
 
     def alignment(self) -> dict[str, dict[str, float]]:
@@ -667,9 +667,11 @@ def _note(G: nx.MultiDiGraph, slot: str, gm: Any) -> None:
     noted[id(gm)] = weakref.ref(gm)
 
 
-def own(feedback: dict[str, Any]) -> dict[str, Any]:
-    """Copies of the feedback weights (learned ones change in place as training goes)."""
-    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, feedback)
+def own(value: Any) -> Any:
+    """``value`` with a copy of each tensor in it, for a result to hold: the feedback weights
+    (learned ones change in place as training goes), the output (a view of the inputs or a
+    parameter, where the model returns one, and the caller's own output tensor)."""
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, value)
 
 
 def _check_loss(loss: Any) -> None:
@@ -708,10 +710,6 @@ def graph_credit(result: Any, output: Any, flat: list[Any]) -> Any:
         [flat[where[id(t)]] if isinstance(t, Tensor) and id(t) in where else None for t in out_leaves],
         out_spec,
     )
-
-
-def _detached(value: Any) -> Any:
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
 def run_checked(run: Graft, model: Any, values: list[Any]) -> tuple[Any, Any, Any]:
