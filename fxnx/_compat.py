@@ -190,8 +190,10 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
     (
         "torch._C._current_graph_task_id",
         "router.backward: a hook on a parameter keeps the credit of its own backward pass, "
-        "not another thread's (graph_task)",
-        "the thread: right on the CPU, where a backward pass runs on its caller's thread",
+        "not another thread's (graph_task); brSF refuses to draw in a forward pass recomputed "
+        "inside a backward pass (in_backward)",
+        "the thread: right on the CPU, where a backward pass runs on its caller's thread; "
+        "brSF's check is skipped",
     ),
     (
         "torch._foreach_norm",
@@ -411,6 +413,13 @@ def graph_task() -> Callable[[], Any]:
     Without it, the thread (a backward pass on the CPU runs on the thread that started it)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current if callable(current) else threading.get_ident
+
+
+def in_backward() -> bool:
+    """Whether a backward pass is running on this thread (a checkpoint recomputing a forward
+    pass inside it); False where this torch cannot tell."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return callable(current) and current() != -1
 
 
 def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -188,9 +188,10 @@ def test_conv_feedback_matches_the_layers_own_forward():
     x = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
     B = torch.randn_like(conv.weight)
     credit = torch.randn(1, 3, 5, 5, dtype=torch.float64)
+    from fxnx._credit.nodecall import NodeCall
     from fxnx._credit.transport import _input_credit
 
-    got = _input_credit(conv, x.detach(), credit, B)
+    got = _input_credit(NodeCall("conv", "call_module", "conv", conv, [], [], [], None, {}), x.detach(), credit, B)
     padded = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect")
     (want,) = torch.autograd.grad(torch.nn.functional.conv2d(padded, B), x, credit)
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
