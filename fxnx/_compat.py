@@ -190,8 +190,8 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
     (
         "torch._C._current_graph_task_id",
         "router.backward: a hook on a parameter keeps the credit of its own backward pass, "
-        "not another thread's (graph_task); brSF refuses to draw in a forward pass recomputed "
-        "inside a backward pass (in_backward)",
+        "not another thread's (graph_task); brSF refuses a forward pass run again inside a "
+        "backward pass (in_backward)",
         "the thread: right on the CPU, where a backward pass runs on its caller's thread; "
         "brSF's check is skipped",
     ),

@@ -1292,23 +1292,24 @@ def test_a_result_holds_tensors_of_its_own_whatever_the_model_returns(rule, how)
         assert torch.equal(now, then)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_batch_random_sign_symmetry_refuses_a_checkpoint_around_the_router(reentrant):
-    """``torch.utils.checkpoint(router, x)`` runs the router's forward again inside the
-    backward pass: brSF drew fresh magnitudes there, so the step routed with other ``M`` than
-    ``router.feedback`` reports, and every later step drew out of step (0.5 off the plain
-    router at the second step, silently). Refused now, naming the node; frSF, whose ``M`` is
+def test_batch_random_sign_symmetry_refuses_a_non_reentrant_checkpoint_around_the_router():
+    """``torch.utils.checkpoint(router, x, use_reentrant=False)`` runs the router's forward
+    again inside the backward pass: brSF drew fresh magnitudes there, so the step routed with
+    other ``M`` than ``router.feedback`` reports, and every later step drew out of step (0.5
+    off the plain router at the second step, silently). Refused now, naming the node (a
+    reentrant checkpoint, whose first forward runs without gradients and draws nothing, draws
+    once: test_brsf_draws_afresh_at_every_step_however_the_step_runs). frSF, whose ``M`` is
     fixed, routes the checkpointed step as the plain router does."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     x = torch.randn(5, 4, dtype=F64)
-    checkpointed = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=reentrant)
+    checkpointed = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="brsf", seed=5)
-    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node '_0': brsf draws fresh magnitudes .* inside a backward pass"):
-        checkpointed(router, x.requires_grad_(reentrant)).sum().backward()
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"node '_0': brsf draws fresh magnitudes .* inside the backward pass"):
+        checkpointed(router, x).sum().backward()
     twin = copy.deepcopy(model)
     for net, run in ((model, checkpointed), (twin, lambda r, x: r(x))):
-        router = fxnx.CreditRouter(fxnx.convert(net, x.detach()), net, rule="frsf", seed=5)
+        router = fxnx.CreditRouter(fxnx.convert(net, x), net, rule="frsf", seed=5)
         net.zero_grad()
         run(router, x).sum().backward()
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):

@@ -28,7 +28,6 @@ import torch.fx as fx
 from torch import Tensor
 
 from .._compat import (
-    in_backward,
     linear_parameters,
     pytree,
     saved_tensors_hooks_calls,
@@ -77,8 +76,6 @@ class NativeSpec:
         """Take this call's feedback: ``B`` for each weight (laid out like ``W``), or for sign
         symmetry the magnitudes ``M`` (drawn afresh at each call for brSF)."""
         if self.signs:
-            if self.rule.stateful and in_backward():
-                raise _redrawn(self.call.name)
             magnitudes = self.rule.magnitudes(self.call)
             self.spans = [  # M read when unpacked (brSF draws it then)
                 (W.data_ptr(), W.data_ptr() + W.numel() * W.element_size(), W, _Magnitudes(magnitudes, name), None, None)
@@ -179,16 +176,6 @@ class _SignOf:
             B = self.M.signed(W.detach(), self.node)
             self.B = B.as_strided(self.size, self.stride, B.storage_offset() + self.offset)
         return self.B
-
-
-def _redrawn(node: str) -> FxnxValueError:
-    return FxnxValueError(
-        f"node {node!r}: brsf draws fresh magnitudes at each forward pass, and this forward "
-        "pass runs inside a backward pass (torch.utils.checkpoint around the router recomputes "
-        "it there), where it would draw them again and route with others than the forward "
-        "pass used. Put the checkpoint inside the model (fxnx traces through it, and the rule "
-        "reaches the layers in it), or use rule 'frsf' or 'usf'"
-    )
 
 
 def _sign_written(node: str) -> FxnxValueError:

@@ -30,7 +30,7 @@ from .._capture.reuse import (
     snapshot,
     traced_through,
 )
-from .._compat import pytree
+from .._compat import in_backward, pytree
 from .._contract import validate
 from .._errors import FxnxError, FxnxTypeError, FxnxValueError, warn_user
 from .._state import preserved
@@ -247,6 +247,8 @@ class CreditRouter(nn.Module):
         compiling = torch.compiler.is_compiling()
         grafted = torch.compiler.disable(self.grafted, recursive=True) if compiling else self.grafted
         run, values = grafted(inputs, kwargs, collect=self.node_credit)
+        if in_backward() and getattr(self._last, "run", None) is not None:
+            self._refuse_redraw(run)
         with TRACING_LOCK:  # other threads' tracing must not patch the modules this run calls
             if run.plain:  # routing is autograd's own: the model's forward, bit for bit
                 result = output = self._eager(inputs, kwargs)
@@ -257,6 +259,23 @@ class CreditRouter(nn.Module):
                 result, output, nodes = (_run_checked_eagerly if compiling else run_checked)(run, self.model, values)
         self._last.run = (run, result, output, nodes)
         return result
+
+    def _refuse_redraw(self, run: Graft) -> None:
+        """Refuse a forward pass run again inside a backward pass (a checkpoint around the
+        router that recomputes it there: its first forward ran with gradients, so this one
+        replays it) where a rule draws at each forward (brSF): it would route with other
+        magnitudes than the first forward drew, and ``feedback`` reports. A reentrant
+        checkpoint's first forward runs without gradients and draws nothing: its replay draws."""
+        drawing = [e.call.name for e in run.plan.entries if getattr(e.rule, "magnitude", None) == "batch_random"]
+        if drawing:
+            raise FxnxValueError(
+                f"node {drawing[0]!r}: brsf draws fresh magnitudes at each forward pass, and this "
+                "forward pass is run again inside the backward pass (torch.utils.checkpoint around "
+                "the router, use_reentrant=False), where it would draw them again and route with "
+                "others than the forward pass used. Put the checkpoint inside the model (fxnx "
+                "traces through it, and the rule reaches the layers in it), use use_reentrant=True, "
+                "or use rule 'frsf' or 'usf'"
+            )
 
     def _eager(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         """The model called on ``inputs`` as its capture was (the keyword arguments convert
