@@ -521,7 +521,39 @@ def _check_attributes(
         if problem:
             raise GraphContractError(
                 f"{_spelt(where)} attribute {name!r} must be {_describe(kind)}, got {problem}"
+                + _read_elsewhere(value, kind)
             )
+
+
+#: How fxnx's JSON files keep a tuple, which JSON lacks (``fxnx._files``).
+TUPLE_KEY = "__tuple__"
+
+
+def _read_elsewhere(value: Any, kind: str) -> str:
+    """Where a value shows the graph was read by another reader than fxnx's: networkx's own
+    ``node_link_graph`` leaves fxnx's JSON tuples encoded, GraphML keeps structures as text."""
+    if _holds_tuple_key(value):
+        return (
+            f". It holds fxnx's JSON form of a tuple ({{{TUPLE_KEY!r}: [...]}}): the file was read "
+            "by networkx's own node_link_graph, not fxnx's reader. Read it with fxnx.read_json"
+        )
+    if isinstance(value, str) and "str" not in kind and value[:1] in "[{(":
+        return (
+            ". It is text where structured data belongs, as GraphML stores it: fxnx writes "
+            "GraphML for other tools, and reads graphs back from its JSON and pickle files "
+            "(fxnx.read_json, fxnx.read_pickle)"
+        )
+    return ""
+
+
+def _holds_tuple_key(value: Any, depth: int = 0) -> bool:
+    if depth > 32:
+        return False
+    if isinstance(value, dict):
+        return TUPLE_KEY in value or any(_holds_tuple_key(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tuple_key(v, depth + 1) for v in value)
+    return False
 
 
 def _spelt(where: str | Callable[[], str]) -> str:

@@ -36,7 +36,7 @@ from typing import IO, Any
 import networkx as nx
 
 from . import _safepickle
-from ._contract import validate
+from ._contract import TUPLE_KEY, validate
 from ._errors import FxnxTypeError, GraphContractError, GraphFileError
 
 __all__ = [
@@ -247,7 +247,7 @@ def write_pickle(G: nx.MultiDiGraph, path: str | os.PathLike[str]) -> None:
         f.write(buffer.getvalue())
 
 
-_TUPLE = "__tuple__"
+_TUPLE = TUPLE_KEY
 
 
 def _encode(value: Any) -> Any:

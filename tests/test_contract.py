@@ -264,3 +264,25 @@ def test_a_format_1_graph_without_capture_options_is_read_and_routed(tmp_path):
     G.graph["format_version"] = 2  # from format 2 on, it must be there
     with pytest.raises(fxnx.errors.GraphContractError, match="lacks attribute 'capture_options'"):
         fxnx.validate(G)
+
+
+@pytest.mark.parametrize("reader", ["node_link_graph", "graphml"])
+def test_a_graph_read_back_by_another_reader_is_refused_naming_fxnxs(reader, tmp_path):
+    """networkx's own ``node_link_graph`` leaves fxnx's JSON tuples encoded, and GraphML keeps
+    structures as text: validating such a graph (as routing does) was refused naming the
+    attribute alone ("'inputs' must be a list of {name, shape, dtype} dicts"). The refusal now
+    names the reader and fxnx's own."""
+    import json
+
+    G = _graph()
+    if reader == "node_link_graph":
+        fxnx.write_json(G, tmp_path / "g.json")
+        H = nx.node_link_graph(json.loads((tmp_path / "g.json").read_text()), edges="edges")
+        match = r"read by networkx's own node_link_graph.*fxnx\.read_json"
+    else:
+        fxnx.write_graphml(G, tmp_path / "g.graphml")
+        H = nx.read_graphml(tmp_path / "g.graphml", force_multigraph=True)
+        match = r"as GraphML stores it.*fxnx\.read_json, fxnx\.read_pickle"
+    with pytest.raises(fxnx.errors.GraphContractError, match=match):
+        fxnx.validate(H)
+    fxnx.validate(fxnx.read_json(tmp_path / "g.json") if reader == "node_link_graph" else G)
