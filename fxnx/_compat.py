@@ -407,19 +407,23 @@ def saved_tensors_hooks_calls() -> tuple[Callable[..., Any], Callable[[], Any]] 
     return (push, pop) if callable(push) and callable(pop) else None
 
 
+#: Autograd's id of the backward pass running on this thread (-1 outside one), or None.
+_GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+if not callable(_GRAPH_TASK_ID):
+    _GRAPH_TASK_ID = None
+
+
 def graph_task() -> Callable[[], Any]:
     """A function naming the backward pass (autograd's graph task) that calls it: a hook on
     a parameter, which every thread's backward pass runs, tells its own pass from another's.
     Without it, the thread (a backward pass on the CPU runs on the thread that started it)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current if callable(current) else threading.get_ident
+    return _GRAPH_TASK_ID if _GRAPH_TASK_ID is not None else threading.get_ident
 
 
 def in_backward() -> bool:
     """Whether a backward pass is running on this thread (a checkpoint recomputing a forward
     pass inside it); False where this torch cannot tell."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return callable(current) and current() != -1
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
 def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
