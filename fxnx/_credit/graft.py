@@ -191,8 +191,10 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
     # Where a write runs out of place its victims keep their values; elsewhere each victim's
     # credit is reported through a copy of its own, taken before the write.
     nodes = {e.node.name: e.node for e in plan.entries}
+    # (writer, input) for each write into an input of the model
+    writes_inputs = tuple((w, v) for w, victims in probe.writers.items() for v in victims if nodes[v].op == "placeholder")
     if collect:
-        _refuse_shared_inputs(probe, nodes)
+        _refuse_shared_inputs(writes_inputs)
     apart = {w for w in probe.writers if w not in probe.observed and runs_out_of_place(nodes[w])}
     snapshot: dict[str, list[str]] = {}
     light: set[str] = set()
@@ -301,7 +303,6 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
         env[node] = value
     module = fx.GraphModule(root, graph, class_name="Routed")
     plain = not collect and all(tier(e) == "exact" and not e.cut for e in plan.entries)
-    writes_inputs = tuple((w, v) for w, victims in probe.writers.items() for v in victims if nodes[v].op == "placeholder")
     return Graft(module, plan, collect, names, starred, origin, plain=plain, writes_inputs=writes_inputs)
 
 
@@ -395,12 +396,14 @@ def _rewired(node: fx.Node, env: dict[fx.Node, fx.Node], cut: set[int], graph: f
     return fx.node.map_arg(node.args, one), fx.node.map_arg(node.kwargs, one)
 
 
-def _refuse_shared_inputs(probe: Probe, nodes: dict[str, fx.Node]) -> None:
+def _refuse_shared_inputs(writes_inputs: tuple[tuple[str, str], ...]) -> None:
     """Refuse, for credit at every node, a write into inputs that share memory (one tensor,
     or its views, given for two arguments): each input's credit is reported on its own, so
     the write could not reach the others as it does in the model's call."""
-    for writer, victims in probe.writers.items():
-        inputs = [v for v in victims if nodes[v].op == "placeholder"]
+    by_writer: dict[str, list[str]] = {}
+    for writer, written in writes_inputs:
+        by_writer.setdefault(writer, []).append(written)
+    for writer, inputs in by_writer.items():
         if len(inputs) > 1:
             raise FxnxValueError(
                 f"node {writer!r} writes in place into inputs {', '.join(map(repr, inputs))}, which "
