@@ -247,25 +247,22 @@ def write_pickle(G: nx.MultiDiGraph, path: str | os.PathLike[str]) -> None:
         f.write(buffer.getvalue())
 
 
-_TUPLE = TUPLE_KEY
-
-
 def _encode(value: Any) -> Any:
     """JSON has no tuples: keep them as ``{"__tuple__": [...]}`` so they come back as tuples."""
     if isinstance(value, tuple):
-        return {_TUPLE: [_encode(v) for v in value]}
+        return {TUPLE_KEY: [_encode(v) for v in value]}
     if isinstance(value, list):
         return [_encode(v) for v in value]
     if isinstance(value, dict):
-        if len(value) == 1 and _TUPLE in value:
-            raise FxnxTypeError(f"a dict whose only key is {_TUPLE!r} would read back as a tuple")
+        if len(value) == 1 and TUPLE_KEY in value:
+            raise FxnxTypeError(f"a dict whose only key is {TUPLE_KEY!r} would read back as a tuple")
         return {k: _encode(v) for k, v in value.items()}
     return value
 
 
 def _decode(obj: dict[str, Any]) -> Any:
-    if len(obj) == 1 and type(obj.get(_TUPLE)) is list:
-        return tuple(obj[_TUPLE])
+    if len(obj) == 1 and type(obj.get(TUPLE_KEY)) is list:
+        return tuple(obj[TUPLE_KEY])
     return obj
 
 

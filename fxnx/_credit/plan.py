@@ -292,7 +292,6 @@ def _match_edges(G: nx.MultiDiGraph, call: NodeCall, gm: fx.GraphModule, model: 
     return matched
 
 
-
 #: The capture routes whose graph follows the inputs it was captured with: their shapes, the
 #: Python branches taken on them, and which of them were one tensor.
 _SPECIALISED = frozenset({"export", "draft_export", "make_fx"})
@@ -315,8 +314,9 @@ def swapped_in(model: Any) -> str:
 
 
 def _other_graph(G: nx.MultiDiGraph, gm: fx.GraphModule, model: Any) -> str:
-    """Why the graph captured now may differ from ``G`` though neither was edited: the model
-    in the other mode (train or eval) than when ``G`` was converted; for a route whose graph
+    """Why the graph captured now may differ from ``G`` though neither was edited: parameters
+    swapped in for this call (:func:`swapped_in`); the model in the other mode (train or
+    eval) than when ``G`` was converted; for a route whose graph
     follows its inputs, the inputs' shapes that changed since (naming them), else the causes
     that leave no trace in ``G``. Empty where none applies."""
     swapped = swapped_in(model)
