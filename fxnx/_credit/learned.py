@@ -20,7 +20,7 @@ router.update_feedback(lr=..., weight_decay=...))``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -169,6 +169,13 @@ class WeightMirror(_Learned):
         if isinstance(bound, WeightMirror):
             bound._noise = fb.generator(self.seed if self.seed is not None else seed, f"{call.name}.mirror")
         return bound
+
+    def _state(self) -> dict[str, Any]:
+        return {**super()._state(), "noise": self._noise.get_state()}
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        if "noise" in state:
+            self._noise.set_state(state["noise"])
 
     def learn(self, lr: float | None, weight_decay: float) -> None:
         with torch.no_grad():

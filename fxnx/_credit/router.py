@@ -53,6 +53,7 @@ from .presets import (
 )
 from .result import CreditResult, owned
 from .rules import DirectFeedbackAlignment, Exact, Rule, Transport, check_rule, rule_name
+from .saved import check_rule_name, loaded_state, router_state
 from .transport import feedback_weights
 
 __all__ = ["CreditRouter"]
@@ -85,7 +86,9 @@ class CreditRouter(nn.Module):
     ``rule="exact"`` the router is the model, bit for bit.
 
     The router is an ``nn.Module`` holding ``model``: ``router.parameters()`` and
-    buffers are the model's. The capture of the model and the routing plan are
+    buffers are the model's, and ``router.state_dict()`` holds the model's state and
+    the router's own (the seed, each node's rule and feedback weights), which
+    ``load_state_dict`` loads into a new router to resume training as it was. The capture of the model and the routing plan are
     made on the first call and reused while the model's structure and the
     inputs' structure stay the same; ``G`` is validated once, here. Where every
     node is routed exactly and no edge of ``G`` is removed, routing *is* autograd's:
@@ -209,6 +212,8 @@ class CreditRouter(nn.Module):
         self.seed = seed
         self.node_credit = bool(node_credit)
         self._given = dict(feedback or {})
+        #: node name to its state loaded by load_state_dict, bound at the next call (.saved)
+        self._loaded: dict[str, dict[str, Any]] = {}
         # G carries the options it was captured with; these, when given, replace them.
         self._capture: dict[str, Any] = {"leaf_modules": leaf_modules, "concrete_args": concrete_args}
         self._plans: dict[int, Plan] = {}
@@ -227,9 +232,10 @@ class CreditRouter(nn.Module):
     @property
     def feedback(self) -> dict[str, Any]:
         """Node name to the feedback weights its rule holds (empty before the first call;
-        direct feedback alignment draws its projections on first use)."""
+        direct feedback alignment draws its projections on first use; after
+        ``load_state_dict``, until the next call, those loaded)."""
         if self._plan is None:
-            return {}
+            return {name: kept["feedback"] for name, kept in self._loaded.items() if "feedback" in kept}
         return {
             name: rule.feedback for name, rule in self._plan.rules.items()
             if getattr(rule, "feedback", None) is not None
@@ -438,6 +444,18 @@ class CreditRouter(nn.Module):
         for rule in learners.values():
             rule.learn(lr, weight_decay)
 
+    def get_extra_state(self) -> dict[str, Any]:
+        """What ``state_dict()`` holds beside the model's: the seed and each node's rule and
+        feedback (:mod:`.saved`), so that a router loaded with it trains on as this one would."""
+        return router_state(self._plan, self._given, self._loaded, self.seed)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Take what :meth:`get_extra_state` gave (``load_state_dict``): checked first, then
+        every rule bound again with it at the next call."""
+        self.seed, self._loaded = loaded_state(state, self.G, self._plan)
+        self._bound, self._plans, self._grafts, self._fast = {}, {}, {}, {}
+        self._plan, self._tail, self._fixed = None, None, {}
+
     def grafted(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, collect: bool) -> tuple[Graft, list[Any]]:
         """The router's forward for these inputs (capture and graft reused or made) and the
         values to call it with.
@@ -629,7 +647,10 @@ class CreditRouter(nn.Module):
         key = (call.name, id(template), id(call.module))
         bound = self._bound.get(key)
         if bound is None:
-            given = self._given.get(call.name)
+            loaded = self._loaded.get(call.name)
+            if loaded is not None:
+                check_rule_name(call.name, loaded, template)
+            given = self._given.get(call.name) if loaded is None else loaded.get("feedback")
             if isinstance(template, DirectFeedbackAlignment) and named:
                 bound = template.bind_at(call, self.seed, given)  # as at nn.Tanh, not exact
             elif isinstance(template, Rule):
@@ -641,6 +662,8 @@ class CreditRouter(nn.Module):
                 )
             else:
                 bound = template
+            if loaded is not None and isinstance(bound, Rule):
+                bound._restore(loaded)
             self._bound[key] = bound
         return bound, rule_name(bound)
 
@@ -667,8 +690,8 @@ class CreditRouter(nn.Module):
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise FxnxTypeError(
             "a CreditRouter cannot be pickled or copied (it holds its capture and this "
-            "thread's last forward): save the model's state_dict and router.feedback, and build "
-            "a new router with CreditRouter(G, model, rule, feedback=...)"
+            "thread's last forward): save router.state_dict() (the model's and each node's "
+            "feedback weights), and load it into a new CreditRouter(G, model, rule)"
         )
 
 

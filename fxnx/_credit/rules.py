@@ -126,6 +126,15 @@ class Rule:
             )
         return self
 
+    def _state(self) -> dict[str, Any]:
+        """What a router's ``state_dict`` keeps of this rule at its node: its feedback, which
+        binding the rule again with it gives back, and what :meth:`_restore` takes."""
+        return {} if self.feedback is None else {"feedback": self.feedback}
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        """Take back what :meth:`_state` kept besides the feedback (this rule was just bound
+        with that feedback)."""
+
     def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
         raise NotImplementedError(
             f"{type(self).__qualname__} is a Rule without a __call__ of its own: define "
@@ -379,6 +388,15 @@ class SignSymmetry(_Drawn, Transport):
             # again; later steps draw afresh.
             bound._pending = _magnitudes(call, self.name, _given(call, weights, feedback))
         return bound
+
+    def _state(self) -> dict[str, Any]:
+        if self.magnitude == "batch_random":  # each step draws afresh: how far the draws got
+            return {"draws": self._draws}
+        return super()._state()
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        if "draws" in state:
+            self._draws = state["draws"]
 
     def feedback_for(self, call: NodeCall) -> dict[str, Tensor]:
         magnitudes = self.magnitudes(call)

@@ -1,0 +1,204 @@
+"""A router's state_dict: saved, loaded into a new router, training goes on as if it never stopped.
+
+Oracle: the same training run uninterrupted (bit for bit, float64), against one saved after
+two steps through ``torch.save``/``torch.load(weights_only=True)`` and resumed in a new router
+built with another seed, on a fresh model.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from test_router import _batches, _Net  # conv, train-mode BatchNorm, in-place ReLU, a skip
+from torch import nn
+from torch.nn import functional as F
+
+import fxnx
+from fxnx.errors import FxnxValueError
+
+RULES = ["feedback_alignment", "usf", "brsf", "frsf", "direct_feedback_alignment", "kolen_pollack", "weight_mirror"]
+LEARNS = {"kolen_pollack", "weight_mirror"}
+
+
+def _mlp():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+
+
+def _mlp_batches(steps):
+    gen = torch.Generator().manual_seed(2)
+    return [(torch.randn(5, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (5,), generator=gen))
+            for _ in range(steps)]
+
+
+MODELS = {"mlp": (_mlp, _mlp_batches), "conv": (lambda: _fresh_net(), _batches)}
+
+
+def _fresh_net():
+    torch.manual_seed(1)
+    return _Net().double()
+
+
+class _Run:
+    """A model, its router and an SGD optimizer with momentum (whose state resumes too)."""
+
+    def __init__(self, G, make, rule, seed):
+        self.model = make()
+        self.router = fxnx.CreditRouter(G, self.model, rule=rule, seed=seed)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.rule = rule
+
+    def train(self, batches):
+        for x, y in batches:
+            self.opt.zero_grad()
+            F.cross_entropy(self.router(x), y).backward()
+            self.opt.step()
+            if self.rule in LEARNS:
+                self.router.update_feedback(lr=0.05, weight_decay=1e-2)
+
+    def saved(self):
+        buffer = io.BytesIO()
+        torch.save({"router": self.router.state_dict(), "opt": self.opt.state_dict()}, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=True)
+
+    def load(self, saved):
+        self.router.load_state_dict(saved["router"])
+        self.opt.load_state_dict(saved["opt"])
+
+    def state(self):
+        return {k: v.clone() for k, v in self.model.state_dict().items()}
+
+
+def _uninterrupted(G, make, rule, batches):
+    run = _Run(G, make, rule, seed=0)
+    run.train(batches)
+    return run.state()
+
+
+def _same(got, want):
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("rule", RULES)
+def test_a_resumed_router_trains_as_the_uninterrupted_one(model, rule):
+    make, batches_of = MODELS[model]
+    batches = batches_of(5)
+    G = fxnx.convert(make(), batches[0][0])
+    want = _uninterrupted(G, make, rule, batches)
+    first = _Run(G, make, rule, seed=0)
+    first.train(batches[:2])
+    saved = first.saved()
+    resumed = _Run(G, make, rule, seed=7)  # another seed and fresh weights: the state brings both
+    resumed.load(saved)
+    resumed.train(batches[2:])
+    _same(resumed.state(), want)
+
+
+@pytest.mark.parametrize("rule", ["feedback_alignment", "brsf", "kolen_pollack", "direct_feedback_alignment"])
+def test_loaded_into_a_router_that_has_run(rule):
+    batches = _mlp_batches(5)
+    G = fxnx.convert(_mlp(), batches[0][0])
+    want = _uninterrupted(G, _mlp, rule, batches)
+    first = _Run(G, _mlp, rule, seed=0)
+    first.train(batches[:2])
+    saved = first.saved()
+    other = _Run(G, _mlp, rule, seed=3)
+    other.train(_mlp_batches(7)[5:])  # its own feedback drawn, learned, its draws counted
+    other.load(saved)
+    if rule != "brsf":  # brSF keeps how far its draws got; its feedback is each step's own draw
+        assert other.router.feedback.keys() == first.router.feedback.keys()
+    other.train(batches[2:])
+    _same(other.state(), want)
+
+
+def test_the_state_holds_each_nodes_rule_and_feedback():
+    x, _ = _mlp_batches(1)[0]
+    model = _mlp()
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=0)
+    assert router.state_dict()["_extra_state"]["nodes"] == {}  # nothing drawn before the first call
+    router(x)
+    nodes = router.state_dict()["_extra_state"]["nodes"]
+    assert sorted(nodes) == ["_0", "_2", "_4"]
+    for name, kept in nodes.items():
+        assert kept["rule"] == "feedback_alignment"
+        assert kept["feedback"] is router.feedback[name]  # a reference, as state_dict's tensors are
+
+
+def test_a_loaded_state_is_the_routers_own():
+    """Loading copies, as load_state_dict copies parameters: a Kolen–Pollack B learning in the
+    router loaded leaves the router saved (and the dict loaded) as they were."""
+    batches = _mlp_batches(3)
+    G = fxnx.convert(_mlp(), batches[0][0])
+    first = _Run(G, _mlp, "kolen_pollack", seed=0)
+    first.train(batches[:1])
+    state = first.router.state_dict()
+    before = {k: v.clone() for k, v in first.router.feedback.items()}
+    second = _Run(G, _mlp, "kolen_pollack", seed=0)
+    second.router.load_state_dict(state)
+    second.train(batches[1:])
+    for name, B in first.router.feedback.items():
+        assert torch.equal(B, before[name])
+        assert not torch.equal(second.router.feedback[name], B)  # it learned
+
+
+def test_state_round_trips_before_any_call():
+    batches = _mlp_batches(3)
+    G = fxnx.convert(_mlp(), batches[0][0])
+    first = _Run(G, _mlp, "kolen_pollack", seed=0)
+    first.train(batches[:1])
+    middle = _Run(G, _mlp, "kolen_pollack", seed=5)
+    middle.load(first.saved())
+    assert sorted(middle.router.feedback) == sorted(first.router.feedback)  # before its next call
+    last = _Run(G, _mlp, "kolen_pollack", seed=9)
+    last.load(middle.saved())  # saved before middle ran again
+    first.train(batches[1:])
+    last.train(batches[1:])
+    _same(last.state(), first.state())
+
+
+def test_another_rule_is_refused_before_anything_loads():
+    batches = _mlp_batches(2)
+    G = fxnx.convert(_mlp(), batches[0][0])
+    kp = _Run(G, _mlp, "kolen_pollack", seed=0)
+    kp.train(batches[:1])
+    saved = kp.saved()
+    fa = _Run(G, _mlp, "feedback_alignment", seed=0)
+    fa.train(batches[1:])
+    weights, feedback = fa.state(), {k: v.clone() for k, v in fa.router.feedback.items()}
+    with pytest.raises(FxnxValueError, match="node '_0' was saved routed by 'kolen_pollack', and this router routes it by 'feedback_alignment'"):
+        fa.router.load_state_dict(saved["router"])
+    _same(fa.state(), weights)  # the model's state loads after the router's own: untouched
+    for name, B in fa.router.feedback.items():
+        assert torch.equal(B, feedback[name])
+
+
+def test_another_rule_is_refused_at_the_first_call():
+    batches = _mlp_batches(2)
+    G = fxnx.convert(_mlp(), batches[0][0])
+    kp = _Run(G, _mlp, "kolen_pollack", seed=0)
+    kp.train(batches[:1])
+    fresh = _Run(G, _mlp, "frsf", seed=0)
+    fresh.load(kp.saved())  # its rules are bound at its first call
+    with pytest.raises(FxnxValueError, match="saved routed by 'kolen_pollack', and this router routes it by 'frsf'"):
+        fresh.router(batches[1][0])
+
+
+def test_a_state_that_is_not_a_routers_is_refused():
+    x, _ = _mlp_batches(1)[0]
+    model = _mlp()
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=0)
+    state = router.state_dict()
+    with pytest.raises(FxnxValueError, match="is not a CreditRouter's state"):
+        router.load_state_dict({**state, "_extra_state": {"nodes": {}}})
+    nodes = {"not_a_node": {"rule": "feedback_alignment"}}
+    with pytest.raises(FxnxValueError, match=r"nodes \['not_a_node'\] that this router's G does not have"):
+        router.load_state_dict({**state, "_extra_state": {**state["_extra_state"], "nodes": nodes}})
+    with pytest.raises(RuntimeError, match="Missing key.*_extra_state"):
+        router.load_state_dict({f"model.{k}": v for k, v in model.state_dict().items()})
+    router.load_state_dict({f"model.{k}": v for k, v in model.state_dict().items()}, strict=False)
