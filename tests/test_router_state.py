@@ -117,17 +117,41 @@ def test_loaded_into_a_router_that_has_run(rule):
     _same(other.state(), want)
 
 
+def _extra(router):
+    """The router's extra state, read as the module's docstring says a user reads it."""
+    state = router.state_dict()["_extra_state"]
+    assert state.dtype == torch.uint8  # tensors only, as safetensors takes them
+    return torch.load(io.BytesIO(bytes(state.numpy())), weights_only=True)
+
+
 def test_the_state_holds_each_nodes_rule_and_feedback():
     x, _ = _mlp_batches(1)[0]
     model = _mlp()
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=0)
-    assert router.state_dict()["_extra_state"]["nodes"] == {}  # nothing drawn before the first call
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=3)
+    assert _extra(router)["nodes"] == {}  # nothing drawn before the first call
     router(x)
-    nodes = router.state_dict()["_extra_state"]["nodes"]
-    assert sorted(nodes) == ["_0", "_2", "_4"]
-    for name, kept in nodes.items():
+    state = _extra(router)
+    assert state["seed"] == 3
+    assert sorted(state["nodes"]) == ["_0", "_2", "_4"]
+    for name, kept in state["nodes"].items():
         assert kept["rule"] == "feedback_alignment"
-        assert kept["feedback"] is router.feedback[name]  # a reference, as state_dict's tensors are
+        assert torch.equal(kept["feedback"], router.feedback[name])
+
+
+def test_a_router_checkpoint_goes_through_safetensors(tmp_path):
+    """A state dict of tensors only, as safetensors files (Hugging Face Trainer's) need."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    batches = _mlp_batches(4)
+    G = fxnx.convert(_mlp(), batches[0][0])
+    want = _uninterrupted(G, _mlp, "kolen_pollack", batches)
+    first = _Run(G, _mlp, "kolen_pollack", seed=0)
+    first.train(batches[:2])
+    safetensors.save_file(first.router.state_dict(), tmp_path / "router.safetensors")
+    resumed = _Run(G, _mlp, "kolen_pollack", seed=1)
+    resumed.router.load_state_dict(safetensors.load_file(tmp_path / "router.safetensors"))
+    resumed.opt.load_state_dict(first.opt.state_dict())
+    resumed.train(batches[2:])
+    _same(resumed.state(), want)
 
 
 def test_a_loaded_state_is_the_routers_own():
@@ -194,11 +218,18 @@ def test_a_state_that_is_not_a_routers_is_refused():
     model = _mlp()
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment", seed=0)
     state = router.state_dict()
-    with pytest.raises(FxnxValueError, match="is not a CreditRouter's state"):
-        router.load_state_dict({**state, "_extra_state": {"nodes": {}}})
+    for wrong in ({"nodes": {}}, torch.zeros(5, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8), _bytes({"nodes": {}})):
+        with pytest.raises(FxnxValueError, match="is not a CreditRouter's state"):
+            router.load_state_dict({**state, "_extra_state": wrong})
     nodes = {"not_a_node": {"rule": "feedback_alignment"}}
     with pytest.raises(FxnxValueError, match=r"nodes \['not_a_node'\] that this router's G does not have"):
-        router.load_state_dict({**state, "_extra_state": {**state["_extra_state"], "nodes": nodes}})
+        router.load_state_dict({**state, "_extra_state": _bytes({**_extra(router), "nodes": nodes})})
     with pytest.raises(RuntimeError, match="Missing key.*_extra_state"):
         router.load_state_dict({f"model.{k}": v for k, v in model.state_dict().items()})
     router.load_state_dict({f"model.{k}": v for k, v in model.state_dict().items()}, strict=False)
+
+
+def _bytes(value):
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)

@@ -53,7 +53,7 @@ from .presets import (
 )
 from .result import CreditResult, owned
 from .rules import DirectFeedbackAlignment, Exact, Rule, Transport, check_rule, rule_name
-from .saved import check_rule_name, loaded_state, router_state
+from .saved import check_rule_name, decoded, encoded, loaded_state, router_state
 from .transport import feedback_weights
 
 __all__ = ["CreditRouter"]
@@ -444,15 +444,17 @@ class CreditRouter(nn.Module):
         for rule in learners.values():
             rule.learn(lr, weight_decay)
 
-    def get_extra_state(self) -> dict[str, Any]:
+    def get_extra_state(self) -> Tensor:
         """What ``state_dict()`` holds beside the model's: the seed and each node's rule and
-        feedback (:mod:`.saved`), so that a router loaded with it trains on as this one would."""
-        return router_state(self._plan, self._given, self._loaded, self.seed)
+        feedback (:mod:`.saved`, as one ``uint8`` tensor), so that a router loaded with it
+        trains on as this one would."""
+        return encoded(router_state(self._plan, self._given, self._loaded, self.seed))
 
     def set_extra_state(self, state: Any) -> None:
         """Take what :meth:`get_extra_state` gave (``load_state_dict``): checked first, then
         every rule bound again with it at the next call."""
-        self.seed, self._loaded = loaded_state(state, self.G, self._plan)
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        self.seed, self._loaded = loaded_state(decoded(state, device), self.G, self._plan)
         self._bound, self._plans, self._grafts, self._fast = {}, {}, {}, {}
         self._plan, self._tail, self._fixed = None, None, {}
 

@@ -4,16 +4,20 @@ or learned, so that training resumes where it stopped.
 ``router.state_dict()`` holds the model's parameters and buffers (under ``model.``) and, as
 the module's extra state (``_extra_state``), the router's seed and, per node whose rule keeps
 anything: the rule's name, its feedback (``B``; frSF's magnitudes ``M``; direct feedback's
-projections), brSF's count of draws, a weight mirror's noise generator. Everything in it is a
-tensor, a number, a string or a container of them, so ``torch.load(..., weights_only=True)``
-reads it back. ``router.load_state_dict(sd)`` checks it, copies its tensors, and binds every
-rule again with them at the next call, as ``CreditRouter(..., feedback=...)`` binds given
-feedback: a Kolen–Pollack ``B`` goes on learning from where it was, brSF draws what the
-saved router would have drawn next.
+projections), brSF's count of draws, a weight mirror's noise generator. That state is kept as
+one ``uint8`` tensor (its bytes written by ``torch.save``), so the state dict holds tensors
+only, as checkpoint formats that take nothing else (safetensors, which Hugging Face's
+``Trainer`` writes) require; ``torch.load(io.BytesIO(bytes(t.numpy())), weights_only=True)``
+reads it. ``router.load_state_dict(sd)`` checks it, puts its feedback on the model's device,
+and binds every rule again with it at the next call, as ``CreditRouter(..., feedback=...)``
+binds given feedback: a Kolen–Pollack ``B`` goes on learning from where it was, brSF draws
+what the saved router would have drawn next.
 """
 
 from __future__ import annotations
 
+import ctypes
+import io
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,10 +51,35 @@ def router_state(plan: Plan | None, given: Mapping[str, Any], loaded: Mapping[st
     return {"format": FORMAT, "seed": seed, "nodes": nodes}
 
 
+def encoded(state: dict[str, Any]) -> Tensor:
+    """``state`` as the bytes ``torch.save`` writes, in a ``uint8`` tensor."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decoded(state: Any, device: torch.device) -> Any:
+    """What :func:`encoded` holds, its feedback put on ``device`` (anything else as it is)."""
+    if not (isinstance(state, Tensor) and state.dtype == torch.uint8 and state.dim() == 1):
+        return state  # refused by loaded_state
+    data = state.detach().cpu().contiguous()
+    try:
+        value = torch.load(io.BytesIO(ctypes.string_at(data.data_ptr(), data.numel())), map_location="cpu", weights_only=True)
+    except Exception:  # not bytes torch.save wrote, or not only tensors and plain values
+        return None
+    nodes = value.get("nodes") if isinstance(value, dict) else None
+    if isinstance(nodes, dict):
+        for kept in nodes.values():
+            if isinstance(kept, dict) and "feedback" in kept:
+                kept["feedback"] = pytree.tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, kept["feedback"])
+    return value
+
+
 def loaded_state(state: Any, G: nx.MultiDiGraph, plan: Plan | None) -> tuple[int, dict[str, dict[str, Any]]]:
     """The seed and the nodes' states of ``state`` (what :func:`router_state` made), checked
-    against ``G`` and, for a router that has run, against the rules it routes by; every
-    tensor copied (the router's own from now on, as ``load_state_dict`` copies parameters)."""
+    against ``G`` and, for a router that has run, against the rules it routes by. ``state``
+    is :func:`decoded`'s (None where the bytes could not be read), whose tensors are read
+    afresh: the router's own, as ``load_state_dict`` copies parameters."""
     if not isinstance(state, Mapping) or state.get("format") != FORMAT:
         raise FxnxValueError(
             "router.load_state_dict: its '_extra_state' is not a CreditRouter's state "
@@ -71,7 +100,7 @@ def loaded_state(state: Any, G: nx.MultiDiGraph, plan: Plan | None) -> tuple[int
         _check_node(name, kept)
         if plan is not None and "rule" in kept:
             check_rule_name(name, kept, plan.rules.get(name))
-        checked[name] = pytree.tree_map(_own, dict(kept))
+        checked[name] = dict(kept)  # tensors read afresh from the bytes: the router's own
     return seed, checked
 
 
@@ -99,7 +128,3 @@ def _check_node(name: str, kept: Any) -> None:
                 f"router.load_state_dict: node {name!r}'s {key!r} must be a {kind.__name__}, got "
                 f"{type(kept[key]).__qualname__}"
             )
-
-
-def _own(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
