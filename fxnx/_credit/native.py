@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.nn.utils import parametrize
 
 from .._compat import (
     linear_parameters,
@@ -61,6 +62,12 @@ class NativeSpec:
         self.linear = call.module if isinstance(call.module, torch.nn.Linear) else None
         self.weights = feedback_weights(call)  # parameter name to W
         self.first = next(iter(self.weights))
+        #: each weight of a module's node with the module holding it and its name there,
+        #: checked at each call where the layer runs under hooks (:func:`_check_owned`)
+        self.owned: list[tuple[torch.nn.Module, str, Tensor]] = []
+        for name, W in self.weights.items() if call.module is not None else ():
+            prefix, _, leaf = name.rpartition(".")
+            self.owned.append((self.fn.get_submodule(prefix), leaf, W))
         self.device = next(iter(self.weights.values())).device.type
         #: sign symmetry of its own kind: B made lazily from sign(W) and the magnitudes
         self.signs = isinstance(self.rule, SignSymmetry) and type(self.rule).feedback_for is SignSymmetry.feedback_for
@@ -218,6 +225,7 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
         return spec.fn(*args, **kwargs)
     if torch.is_autocast_enabled(spec.device):
         # The layer would save a cast copy of W, not W: route it through its rule instead.
+        _check_owned(spec)
         return _on_its_own_graph(spec, args, kwargs)
     spec.use()
     # an nn.Linear that nothing hooks, on one positional input: its weight and bias
@@ -226,6 +234,7 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
         x = args[0]
         if x.dim() == 2 and params[0].is_floating_point():  # F.linear's output is no view
             return _Linear.apply(x, *params, spec, spec.spans[0][3])
+    _check_owned(spec)
     if spec.call.module is not None and _reads_its_weight(spec, args, kwargs):
         # A layer applied to its own weight (fc(fc.weight)) saves W as its input too, for
         # W's credit, which must not read B: route it through its rule instead.
@@ -242,35 +251,69 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
             _HOOKS[1]()
     if spec.hits == hits and _needs_input_credit(args, kwargs, spec.call):
         call = spec.call
-        if call.module is not None:
-            now = dict(call.module.named_parameters())
-            replaced = [name for name, W in spec.weights.items() if now.get(name) is not W]
-            swapped = swapped_in(call.module)
-            if swapped:
-                raise FxnxValueError(f"node {call.name!r}: its layer's parameters are not the model's own." + swapped)
-            held = {*now, *dict(call.module.named_buffers())}
-            computed = [name for name in replaced if name not in held]
-            if computed:
-                raise FxnxValueError(
-                    f"node {call.name!r}: its {', '.join(computed)} is not a parameter but a tensor "
-                    "set afresh at each call (as torch.nn.utils.weight_norm and spectral_norm, in "
-                    "their old form, set it in a forward pre-hook) or replaced by a plain tensor, so "
-                    "no feedback weight can stand in for it. Route it exactly, knowing its credit is backprop's "
-                    f"(rules={{{call.name!r}: fxnx.credit.Exact()}}), or make the weight a parameter"
-                )
-            if replaced:
-                raise FxnxValueError(
-                    f"node {call.name!r}: its {', '.join(replaced)} was replaced by another tensor "
-                    "since the router was built, and the router's feedback weights stand in for "
-                    "the one it had: build a new router (fxnx.CreditRouter(G, model, ...)) after "
-                    "replacing parameters"
-                )
-        raise FxnxValueError(
+        refusal = _not_its_weights(spec) if call.module is not None else None
+        raise refusal or FxnxValueError(
             f"node {call.name!r}: its backward did not read its weight where feedback weights "
             f"were to replace it, so {spec.entry.rule_name} cannot be applied natively; route it "
             f"with rules={{{call.name!r}: fxnx.credit.Exact()}} or report this model"
         )
     return out
+
+
+def _check_owned(spec: NativeSpec) -> None:
+    """Refuse a layer whose weights are no longer those the router bound its feedback to (a
+    parametrization registered since, whose own backward would save the old weight's memory
+    as its ``original`` and take ``B`` in its place; a parameter replaced or swapped in)."""
+    for owner, leaf, W in spec.owned:
+        if getattr(owner, leaf, None) is not W:
+            raise _not_its_weights(spec) or FxnxValueError(
+                f"node {spec.call.name!r}: its {leaf} is not the tensor the router's feedback "
+                "weights stand in for: build a new router (fxnx.CreditRouter(G, model, ...))"
+            )
+
+
+def _not_its_weights(spec: NativeSpec) -> FxnxValueError | None:
+    """Why a module's node does not hold the weights the router bound its feedback to; None
+    where it does."""
+    call = spec.call
+    assert call.module is not None  # the caller's check
+    now = dict(call.module.named_parameters())
+    replaced = [name for name, W in spec.weights.items() if now.get(name) is not W]
+    swapped = swapped_in(call.module)
+    if swapped:
+        return FxnxValueError(f"node {call.name!r}: its layer's parameters are not the model's own." + swapped)
+    parametrized = [name for name in replaced if _parametrized(call.module, name)]
+    if parametrized:
+        return FxnxValueError(
+            f"node {call.name!r}: its {', '.join(parametrized)} was parametrized "
+            "(torch.nn.utils.parametrize) after G was converted, so the layer now multiplies by a "
+            "weight computed from parameters, which G does not show and for which no feedback "
+            "weight can stand in. Convert the model again with its parametrizations (a feedback "
+            "rule then refuses that node, which can be routed exactly), or remove them"
+        )
+    held = {*now, *dict(call.module.named_buffers())}
+    computed = [name for name in replaced if name not in held]
+    if computed:
+        return FxnxValueError(
+            f"node {call.name!r}: its {', '.join(computed)} is not a parameter but a tensor "
+            "set afresh at each call (as torch.nn.utils.weight_norm and spectral_norm, in "
+            "their old form, set it in a forward pre-hook) or replaced by a plain tensor, so "
+            "no feedback weight can stand in for it. Route it exactly, knowing its credit is backprop's "
+            f"(rules={{{call.name!r}: fxnx.credit.Exact()}}), or make the weight a parameter"
+        )
+    if replaced:
+        return FxnxValueError(
+            f"node {call.name!r}: its {', '.join(replaced)} was replaced by another tensor "
+            "since the router was built, and the router's feedback weights stand in for "
+            "the one it had: build a new router (fxnx.CreditRouter(G, model, ...)) after "
+            "replacing parameters"
+        )
+    return None
+
+
+def _parametrized(module: torch.nn.Module, name: str) -> bool:
+    prefix, _, leaf = name.rpartition(".")
+    return parametrize.is_parametrized(module.get_submodule(prefix), leaf)
 
 
 def _on_its_own_graph(spec: NativeSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
