@@ -38,6 +38,7 @@ __all__ = [
     "extract_tensor_metadata",
     "global_hooks",
     "has_hooks",
+    "in_transform",
     "global_module_hooks",
     "linear_parameters",
     "own_buffers",
@@ -194,6 +195,13 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "backward pass (in_backward)",
         "the thread: right on the CPU, where a backward pass runs on its caller's thread; "
         "brSF's check is skipped",
+    ),
+    (
+        "torch._C._functorch.peek_interpreter_stack",
+        "CreditRouter refuses to run a rule under a torch.func transform (vmap, grad, jvp, "
+        "jacrev, jacfwd), which does not carry the rule's autograd functions and hooks "
+        "(in_transform)",
+        "the router is not refused there: direct feedback alignment may drop credit under vmap",
     ),
     (
         "torch._foreach_norm",
@@ -424,6 +432,16 @@ def in_backward() -> bool:
     """Whether a backward pass is running on this thread (a checkpoint recomputing a forward
     pass inside it); False where this torch cannot tell."""
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+_INTERPRETERS: Callable[[], Any] | None = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``, …) is
+    running on this thread: its interpreter stack is not empty. False where this torch
+    cannot tell."""
+    return _INTERPRETERS is not None and _INTERPRETERS() is not None
 
 
 def vector_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1351,3 +1351,52 @@ def test_a_weight_parametrized_after_the_router_was_built_is_refused(rule, layer
     ):
         router(x).float().sum().backward()
     assert all(p.grad is None for p in model.parameters())  # refused in the forward pass
+
+
+@pytest.mark.parametrize("rule", ["direct_feedback_alignment", "feedback_alignment", "frsf"])
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "grad"])
+def test_a_rule_under_a_torch_func_transform_is_refused(rule, transform):
+    """torch.func's transforms do not carry the rules' autograd functions and hooks: under
+    vmap, direct feedback alignment's first layer got no credit at all (None, where the plain
+    router gives it DFA's), and jvp through it gave a zero tangent, both silently (found by a
+    probe); the other rules failed in torch's own words. Refused now, naming the node."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=F64), torch.randint(0, 3, (6,))
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule, seed=0)
+    F.cross_entropy(router(x), y).backward()  # the first call, outside any transform
+    model.zero_grad()
+    one = lambda xi: router(xi[None])[0]  # noqa: E731
+    runs = {
+        "vmap": lambda: F.cross_entropy(torch.func.vmap(one)(x), y).backward(),
+        "jvp": lambda: torch.func.jvp(router, (x,), (torch.ones_like(x),)),
+        "grad": lambda: torch.func.grad(lambda xi: one(xi).sum())(x[0]),
+    }
+    with pytest.raises(fxnx.errors.FxnxValueError, match=rf"under a torch.func transform .* node '_0' is routed by '{rule}'"):
+        runs[transform]()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_exact_router_runs_under_torch_func_once_called():
+    """A router with rule='exact' and no edge removed runs the model itself: per-sample
+    gradients through vmap(grad(functional_call(router))) are autograd's, sample by sample
+    (its first call, which checks the capture, is refused under the transform, by name)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=F64), torch.randint(0, 3, (6,))
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="exact")
+    first = lambda: torch.func.vmap(torch.func.grad(lambda xi: router(xi[None]).sum()))(x)  # noqa: E731
+    with pytest.raises(fxnx.errors.FxnxValueError, match="its first call .* runs under it"):
+        first()
+    router(x)
+    params = {f"model.{k}": v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(torch.func.functional_call(router, p, (xi[None],)), yi[None])
+
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for i in range(len(x)):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for name, p in model.named_parameters():
+            assert rel_error(got[f"model.{name}"][i], p.grad) <= 1e-12, name  # vmap's rounding

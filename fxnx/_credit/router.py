@@ -30,7 +30,7 @@ from .._capture.reuse import (
     snapshot,
     traced_through,
 )
-from .._compat import in_backward, pytree
+from .._compat import in_backward, in_transform, pytree
 from .._contract import validate
 from .._errors import FxnxError, FxnxTypeError, FxnxValueError, warn_user
 from .._state import preserved
@@ -251,6 +251,8 @@ class CreditRouter(nn.Module):
             )
             return self.model(*inputs, **kwargs)
         compiling = torch.compiler.is_compiling()
+        if not compiling and in_transform():
+            self._refuse_transform()
         grafted = torch.compiler.disable(self.grafted, recursive=True) if compiling else self.grafted
         run, values = grafted(inputs, kwargs, collect=self.node_credit)
         if in_backward() and getattr(self._last, "run", None) is not None:
@@ -265,6 +267,25 @@ class CreditRouter(nn.Module):
                 result, output, nodes = (_run_checked_eagerly if compiling else run_checked)(run, self.model, values)
         self._last.run = (run, result, output, nodes)
         return result
+
+    def _refuse_transform(self) -> None:
+        """Refuse a forward pass under a ``torch.func`` transform, but the model's own (a
+        router whose every node is exact, called once outside the transform): the transforms
+        do not carry the rules' autograd functions and saved-tensor hooks, and under ``vmap``
+        direct feedback alignment's credit was lost silently."""
+        fast = self._fast.get(self.node_credit)
+        if fast is not None and fast[1].plain:
+            return
+        routed = [f"node {name!r} is routed by {rule_name(rule)!r}" for name, rule in (
+            self._plan.rules.items() if self._plan else ()) if not isinstance(rule, Exact)]
+        why = routed[0] if routed else "its first call (which checks the capture) runs under it"
+        raise FxnxValueError(
+            f"CreditRouter under a torch.func transform (vmap, grad, jvp, jacrev, jacfwd), and "
+            f"{why}: torch.func does not carry a rule's autograd functions and hooks, so its "
+            "credit would be lost or exact. For per-sample credit under a rule, route each "
+            "sample alone (a batch of one); a router with rule='exact' and no edge removed runs "
+            "the model itself and works under torch.func once called outside it (router(x))"
+        )
 
     def _refuse_redraw(self, run: Graft) -> None:
         """Refuse a forward pass run again inside a backward pass (a checkpoint around the
