@@ -341,7 +341,7 @@ def test_update_feedback_says_what_is_missing():
     with pytest.raises(fxnx.errors.FxnxValueError, match="no node of this router has feedback that learns"):
         fa.update_feedback(lr=0.1)
     kp = fxnx.CreditRouter(G, model, rule="kolen_pollack")
-    with pytest.raises(fxnx.errors.FxnxValueError, match="none has run yet"):
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"none has run since the router was built or loaded \(load_state_dict\)"):
         kp.update_feedback(lr=0.1)
     kp(x).sum().backward()
     with pytest.raises(fxnx.errors.FxnxValueError, match="needs the optimizer's lr="):

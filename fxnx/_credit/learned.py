@@ -20,7 +20,7 @@ router.update_feedback(lr=..., weight_decay=...))``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -170,10 +170,10 @@ class WeightMirror(_Learned):
             bound._noise = fb.generator(self.seed if self.seed is not None else seed, f"{call.name}.mirror")
         return bound
 
-    def _state(self) -> dict[str, Any]:
-        return {**super()._state(), "noise": self._noise.get_state()}
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"noise": self._noise.get_state()}
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
+    def set_extra_state(self, state: dict[str, Any]) -> None:
         if "noise" in state:
             self._noise.set_state(state["noise"])
 

@@ -63,7 +63,7 @@ class NativeSpec:
         self.weights = feedback_weights(call)  # parameter name to W
         self.first = next(iter(self.weights))
         #: each weight of a module's node with the module holding it and its name there,
-        #: checked at each call where the layer runs under hooks (:func:`_check_owned`)
+        #: checked at each call but :class:`_Linear`'s, which holds W itself (:func:`_check_owned`)
         self.owned: list[tuple[torch.nn.Module, str, Tensor]] = []
         for name, W in self.weights.items() if call.module is not None else ():
             prefix, _, leaf = name.rpartition(".")

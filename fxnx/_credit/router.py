@@ -53,7 +53,7 @@ from .presets import (
 )
 from .result import CreditResult, owned
 from .rules import DirectFeedbackAlignment, Exact, Rule, Transport, check_rule, rule_name
-from .saved import check_rule_name, decoded, encoded, loaded_state, router_state
+from .saved import check_rule_name, decoded, encoded, loaded_state, on_device, router_state
 from .transport import feedback_weights
 
 __all__ = ["CreditRouter"]
@@ -459,7 +459,8 @@ class CreditRouter(nn.Module):
         if not learners:
             raise FxnxValueError(
                 "update_feedback: no node of this router has feedback that learns (rules "
-                "'kolen_pollack' and 'weight_mirror' do), or none has run yet: call router(x) first"
+                "'kolen_pollack' and 'weight_mirror' do), or none has run since the router was "
+                "built or loaded (load_state_dict): call router(x) first"
             )
         check_learning(learners.values(), lr)
         for rule in learners.values():
@@ -474,8 +475,10 @@ class CreditRouter(nn.Module):
     def set_extra_state(self, state: Any) -> None:
         """Take what :meth:`get_extra_state` gave (``load_state_dict``): checked first, then
         every rule bound again with it at the next call."""
-        device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        self.seed, self._loaded = loaded_state(decoded(state, device), self.G, self._plan)
+        self.seed, self._loaded = loaded_state(decoded(state), self.G, self._plan)
+        # every capture, plan and bound rule made so far is dropped: the next call makes them
+        # again, binding each node's rule with what was loaded (then dropped: a layer replaced
+        # later is bound afresh, as in the router saved)
         self._bound, self._plans, self._grafts, self._fast = {}, {}, {}, {}
         self._plan, self._tail, self._fixed = None, None, {}
 
@@ -515,6 +518,7 @@ class CreditRouter(nn.Module):
             plan = self._plans.get(id(cap.gm))
             if plan is None:
                 plan = compile_plan(self.G, cap.gm, self.model, self._choose)
+                self._loaded = {}  # bound into the plan's rules (_choose)
                 self._plans = {id(cap.gm): plan}  # the capture changed: the old plan is stale
                 self._grafts = {}
                 self._warn_if_unused(plan)
@@ -671,24 +675,39 @@ class CreditRouter(nn.Module):
         bound = self._bound.get(key)
         if bound is None:
             loaded = self._loaded.get(call.name)
-            if loaded is not None:
-                check_rule_name(call.name, loaded, template)
             given = self._given.get(call.name) if loaded is None else loaded.get("feedback")
-            if isinstance(template, DirectFeedbackAlignment) and named:
-                bound = template.bind_at(call, self.seed, given)  # as at nn.Tanh, not exact
-            elif isinstance(template, Rule):
-                bound = template.bind(call, self.seed, given)
-            elif given is not None:
-                raise FxnxValueError(
-                    f"feedback was given for node {call.name!r}, but its rule "
-                    f"{rule_name(template)!r} is a function, which takes no feedback weights"
-                )
-            else:
-                bound = template
-            if loaded is not None and isinstance(bound, Rule):
-                bound._restore(loaded)
+            if loaded is not None and given is not None:
+                given = on_device(given, self._device_of(call))
+            try:
+                bound = self._bind(template, call, named, given)
+            except FxnxError:
+                if loaded is not None:  # a state saved under another rule: that is the cause
+                    check_rule_name(call.name, loaded, template)
+                raise
+            if loaded is not None:
+                check_rule_name(call.name, loaded, bound)
+                if isinstance(bound, Rule):
+                    bound.set_extra_state(dict(loaded.get("extra", {})))
             self._bound[key] = bound
         return bound, rule_name(bound)
+
+    def _bind(self, template: Any, call: NodeCall, named: bool, given: Any) -> Any:
+        """``template`` bound to ``call``'s node with the feedback ``given`` (or None)."""
+        if isinstance(template, DirectFeedbackAlignment) and named:
+            return template.bind_at(call, self.seed, given)  # as at nn.Tanh, not exact
+        if isinstance(template, Rule):
+            return template.bind(call, self.seed, given)
+        if given is not None:
+            raise FxnxValueError(
+                f"feedback was given for node {call.name!r}, but its rule "
+                f"{rule_name(template)!r} is a function, which takes no feedback weights"
+            )
+        return template
+
+    def _device_of(self, call: NodeCall) -> torch.device:
+        """Where ``call``'s node keeps its feedback: on its weights' device (else the model's)."""
+        own = call.own_parameters()
+        return own[0].device if own else next((p.device for p in self.parameters()), torch.device("cpu"))
 
     def _warn_if_unused(self, plan: Plan) -> None:
         last = plan.entries[-1]

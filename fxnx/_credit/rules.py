@@ -126,14 +126,16 @@ class Rule:
             )
         return self
 
-    def _state(self) -> dict[str, Any]:
-        """What a router's ``state_dict`` keeps of this rule at its node: its feedback, which
-        binding the rule again with it gives back, and what :meth:`_restore` takes."""
-        return {} if self.feedback is None else {"feedback": self.feedback}
+    def get_extra_state(self) -> dict[str, Any]:
+        """What this rule keeps at its node besides :attr:`feedback`, for a router's
+        ``state_dict`` (as ``nn.Module.get_extra_state``): tensors, numbers and strings in a
+        dict. A router loaded with that state binds the rule with the saved feedback, then
+        calls :meth:`set_extra_state` with this. The default keeps nothing."""
+        return {}
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
-        """Take back what :meth:`_state` kept besides the feedback (this rule was just bound
-        with that feedback)."""
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`get_extra_state` kept (this rule was just bound with the
+        saved feedback)."""
 
     def __call__(self, call: NodeCall, credit: Credit, state: RoutingState) -> Routed:
         raise NotImplementedError(
@@ -389,12 +391,11 @@ class SignSymmetry(_Drawn, Transport):
             bound._pending = _magnitudes(call, self.name, _given(call, weights, feedback))
         return bound
 
-    def _state(self) -> dict[str, Any]:
-        if self.magnitude == "batch_random":  # each step draws afresh: how far the draws got
-            return {"draws": self._draws}
-        return super()._state()
+    def get_extra_state(self) -> dict[str, Any]:
+        # brSF draws afresh at each step: how far its draws got (its feedback is one step's)
+        return {"draws": self._draws} if self.magnitude == "batch_random" else {}
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
+    def set_extra_state(self, state: dict[str, Any]) -> None:
         if "draws" in state:
             self._draws = state["draws"]
 

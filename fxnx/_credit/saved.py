@@ -2,16 +2,18 @@
 or learned, so that training resumes where it stopped.
 
 ``router.state_dict()`` holds the model's parameters and buffers (under ``model.``) and, as
-the module's extra state (``_extra_state``), the router's seed and, per node whose rule keeps
-anything: the rule's name, its feedback (``B``; frSF's magnitudes ``M``; direct feedback's
-projections), brSF's count of draws, a weight mirror's noise generator. That state is kept as
-one ``uint8`` tensor (its bytes written by ``torch.save``), so the state dict holds tensors
-only, as checkpoint formats that take nothing else (safetensors, which Hugging Face's
-``Trainer`` writes) require; ``torch.load(io.BytesIO(bytes(t.numpy())), weights_only=True)``
-reads it. ``router.load_state_dict(sd)`` checks it, puts its feedback on the model's device,
-and binds every rule again with it at the next call, as ``CreditRouter(..., feedback=...)``
-binds given feedback: a Kolen–Pollack ``B`` goes on learning from where it was, brSF draws
-what the saved router would have drawn next.
+the module's extra state (``_extra_state``), the router's seed and, for each node of its plan:
+the rule's name; its feedback (``B``; frSF's magnitudes ``M``; direct feedback's projections;
+not brSF's, drawn afresh at each step); and what the rule's ``get_extra_state`` keeps (brSF's
+count of draws, a weight mirror's noise generator; a rule of one's own may keep its own).
+That state is one ``uint8`` tensor, the bytes ``torch.save`` writes, so that the state dict
+holds tensors only, as checkpoint formats that take nothing else require (safetensors,
+which Hugging Face's ``Trainer`` writes); ``torch.load(io.BytesIO(bytes(t.numpy())),
+weights_only=True)`` reads it. ``router.load_state_dict(sd)`` checks it and binds every rule
+again with it at the next call, as ``CreditRouter(..., feedback=...)`` binds given feedback,
+each node's feedback on its weights' device: a Kolen–Pollack ``B`` goes on learning from where
+it was, brSF draws what the saved router would have drawn next. A state saved under another
+rule at any node is refused.
 """
 
 from __future__ import annotations
@@ -45,9 +47,16 @@ def router_state(plan: Plan | None, given: Mapping[str, Any], loaded: Mapping[st
         nodes = {}
         for entry in plan.entries:
             rule = entry.rule
-            kept = rule._state() if isinstance(rule, Rule) else {}
-            if kept:
-                nodes[entry.call.name] = {"rule": rule_name(rule), **kept}
+            if rule is None:  # a placeholder or attribute: no rule
+                continue
+            kept: dict[str, Any] = {"rule": rule_name(rule)}
+            if isinstance(rule, Rule):
+                if not rule.stateful and rule.feedback is not None:
+                    kept["feedback"] = rule.feedback
+                extra = rule.get_extra_state()
+                if extra:
+                    kept["extra"] = extra
+            nodes[entry.call.name] = kept
     return {"format": FORMAT, "seed": seed, "nodes": nodes}
 
 
@@ -58,28 +67,28 @@ def encoded(state: dict[str, Any]) -> Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def decoded(state: Any, device: torch.device) -> Any:
-    """What :func:`encoded` holds, its feedback put on ``device`` (anything else as it is)."""
+def decoded(state: Any) -> Any:
+    """What :func:`encoded` holds, its tensors on the CPU, read afresh (the router's own, as
+    ``load_state_dict`` copies parameters); None for anything else."""
     if not (isinstance(state, Tensor) and state.dtype == torch.uint8 and state.dim() == 1):
-        return state  # refused by loaded_state
+        return None
     data = state.detach().cpu().contiguous()
+    raw = ctypes.string_at(data.data_ptr(), data.numel())  # its bytes (numpy is no dependency)
     try:
-        value = torch.load(io.BytesIO(ctypes.string_at(data.data_ptr(), data.numel())), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception:  # not bytes torch.save wrote, or not only tensors and plain values
         return None
-    nodes = value.get("nodes") if isinstance(value, dict) else None
-    if isinstance(nodes, dict):
-        for kept in nodes.values():
-            if isinstance(kept, dict) and "feedback" in kept:
-                kept["feedback"] = pytree.tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, kept["feedback"])
-    return value
+
+
+def on_device(feedback: Any, device: torch.device) -> Any:
+    """A node's loaded feedback on ``device`` (its weights')."""
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, feedback)
 
 
 def loaded_state(state: Any, G: nx.MultiDiGraph, plan: Plan | None) -> tuple[int, dict[str, dict[str, Any]]]:
     """The seed and the nodes' states of ``state`` (what :func:`router_state` made), checked
     against ``G`` and, for a router that has run, against the rules it routes by. ``state``
-    is :func:`decoded`'s (None where the bytes could not be read), whose tensors are read
-    afresh: the router's own, as ``load_state_dict`` copies parameters."""
+    is :func:`decoded`'s: None where it was not a router's."""
     if not isinstance(state, Mapping) or state.get("format") != FORMAT:
         raise FxnxValueError(
             "router.load_state_dict: its '_extra_state' is not a CreditRouter's state "
@@ -118,10 +127,10 @@ def check_rule_name(name: str, kept: Mapping[str, Any], rule: Any) -> None:
 def _check_node(name: str, kept: Any) -> None:
     if not isinstance(kept, Mapping):
         raise FxnxTypeError(f"router.load_state_dict: node {name!r}'s state must be a dict, got {type(kept).__qualname__}")
-    extra = sorted(set(kept) - {"rule", "feedback", "draws", "noise"})
-    if extra:
-        raise FxnxValueError(f"router.load_state_dict: node {name!r}'s state has keys {extra} no rule keeps")
-    kinds = {"rule": str, "draws": int, "noise": Tensor}
+    unknown = sorted(set(kept) - {"rule", "feedback", "extra"})
+    if unknown:
+        raise FxnxValueError(f"router.load_state_dict: node {name!r}'s state has keys {unknown} a router does not keep")
+    kinds = {"rule": str, "extra": dict}
     for key, kind in kinds.items():
         if key in kept and not isinstance(kept[key], kind):
             raise FxnxTypeError(
