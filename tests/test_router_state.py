@@ -78,6 +78,13 @@ def _uninterrupted(G, make, rule, batches):
     return run.state()
 
 
+def _checkpoint(G, make, rule, batches):
+    """The state of a run trained on ``batches`` from seed 0, through torch.save and torch.load."""
+    run = _Run(G, make, rule, seed=0)
+    run.train(batches)
+    return run.saved()
+
+
 def _same(got, want):
     assert got.keys() == want.keys()
     for key in want:
@@ -91,11 +98,8 @@ def test_a_resumed_router_trains_as_the_uninterrupted_one(model, rule):
     batches = batches_of(5)
     G = fxnx.convert(make(), batches[0][0])
     want = _uninterrupted(G, make, rule, batches)
-    first = _Run(G, make, rule, seed=0)
-    first.train(batches[:2])
-    saved = first.saved()
     resumed = _Run(G, make, rule, seed=7)  # another seed and fresh weights: the state brings both
-    resumed.load(saved)
+    resumed.load(_checkpoint(G, make, rule, batches[:2]))
     resumed.train(batches[2:])
     _same(resumed.state(), want)
 
@@ -105,14 +109,12 @@ def test_loaded_into_a_router_that_has_run(rule):
     batches = _mlp_batches(5)
     G = fxnx.convert(_mlp(), batches[0][0])
     want = _uninterrupted(G, _mlp, rule, batches)
-    first = _Run(G, _mlp, rule, seed=0)
-    first.train(batches[:2])
-    saved = first.saved()
     other = _Run(G, _mlp, rule, seed=3)
     other.train(_mlp_batches(7)[5:])  # its own feedback drawn, learned, its draws counted
-    other.load(saved)
+    drawn = other.router.feedback.keys()
+    other.load(_checkpoint(G, _mlp, rule, batches[:2]))
     if rule != "brsf":  # brSF keeps how far its draws got; its feedback is each step's own draw
-        assert other.router.feedback.keys() == first.router.feedback.keys()
+        assert other.router.feedback.keys() == drawn
     other.train(batches[2:])
     _same(other.state(), want)
 
@@ -192,9 +194,7 @@ def test_state_round_trips_before_any_call():
 def test_another_rule_is_refused_before_anything_loads():
     batches = _mlp_batches(2)
     G = fxnx.convert(_mlp(), batches[0][0])
-    kp = _Run(G, _mlp, "kolen_pollack", seed=0)
-    kp.train(batches[:1])
-    saved = kp.saved()
+    saved = _checkpoint(G, _mlp, "kolen_pollack", batches[:1])
     fa = _Run(G, _mlp, "feedback_alignment", seed=0)
     fa.train(batches[1:])
     weights, feedback = fa.state(), {k: v.clone() for k, v in fa.router.feedback.items()}
@@ -203,17 +203,6 @@ def test_another_rule_is_refused_before_anything_loads():
     _same(fa.state(), weights)  # the model's state loads after the router's own: untouched
     for name, B in fa.router.feedback.items():
         assert torch.equal(B, feedback[name])
-
-
-def test_another_rule_is_refused_at_the_first_call():
-    batches = _mlp_batches(2)
-    G = fxnx.convert(_mlp(), batches[0][0])
-    kp = _Run(G, _mlp, "kolen_pollack", seed=0)
-    kp.train(batches[:1])
-    fresh = _Run(G, _mlp, "frsf", seed=0)
-    fresh.load(kp.saved())  # its rules are bound at its first call
-    with pytest.raises(FxnxValueError, match="saved routed by 'kolen_pollack', and this router routes it by 'frsf'"):
-        fresh.router(batches[1][0])
 
 
 def test_a_state_that_is_not_a_routers_is_refused():
@@ -255,26 +244,22 @@ def test_a_layer_replaced_after_a_resume_is_bound_as_in_the_router_saved(rule):
     whole.train(batches[:3])
     replace(whole)
     whole.train(batches[3:])
-    first = _Run(G, _mlp, rule, seed=0)
-    first.train(batches[:2])
     resumed = _Run(G, _mlp, rule, seed=4)
-    resumed.load(first.saved())
+    resumed.load(_checkpoint(G, _mlp, rule, batches[:2]))
     resumed.train(batches[2:3])
     replace(resumed)
     resumed.train(batches[3:])
     _same(resumed.state(), whole.state())
 
 
-@pytest.mark.parametrize("saved", ["usf", "exact", "brsf"])
+@pytest.mark.parametrize("saved", ["kolen_pollack", "usf", "exact", "brsf"])
 def test_a_state_saved_under_any_other_rule_is_refused(saved):
-    """Every node's rule is saved, not only those that keep feedback: a uSF or exact state
-    loaded into a feedback-alignment router is refused too, naming the node."""
+    """At the first call, where the router's rules are bound. Every node's rule is saved, not
+    only those that keep feedback: a uSF or exact state is refused too, naming the node."""
     batches = _mlp_batches(2)
     G = fxnx.convert(_mlp(), batches[0][0])
-    first = _Run(G, _mlp, saved, seed=0)
-    first.train(batches[:1])
     fresh = _Run(G, _mlp, "feedback_alignment", seed=0)
-    fresh.load(first.saved())
+    fresh.load(_checkpoint(G, _mlp, saved, batches[:1]))
     with pytest.raises(FxnxValueError, match=f"node '_0' was saved routed by '{saved}', and this router routes it by 'feedback_alignment'"):
         fresh.router(batches[1][0])
 
@@ -305,9 +290,7 @@ def test_a_rule_of_ones_own_keeps_its_state_through_its_extra_state():
     G = fxnx.convert(_mlp(), batches[0][0])
     rule = {nn.Linear: _Annealed()}
     want = _uninterrupted(G, _mlp, rule, batches)
-    first = _Run(G, _mlp, rule, seed=0)
-    first.train(batches[:2])
     resumed = _Run(G, _mlp, {nn.Linear: _Annealed()}, seed=2)
-    resumed.load(first.saved())
+    resumed.load(_checkpoint(G, _mlp, rule, batches[:2]))
     resumed.train(batches[2:])
     _same(resumed.state(), want)
