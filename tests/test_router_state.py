@@ -294,3 +294,44 @@ def test_a_rule_of_ones_own_keeps_its_state_through_its_extra_state():
     resumed.load(_checkpoint(G, _mlp, rule, batches[:2]))
     resumed.train(batches[2:])
     _same(resumed.state(), want)
+
+
+def test_a_resumed_router_trains_on_bert_as_the_uninterrupted_one():
+    """The class, not the example: a Hugging Face BERT (random weights from a config) with an
+    attention mask, Kolen–Pollack on every projection, saved through safetensors."""
+    transformers = pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+
+    def make():
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        return transformers.BertForSequenceClassification(config).double().train()
+
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    batches = [(torch.randint(0, 50, (4, 8), generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(4)]
+    G = fxnx.convert(make(), batches[0][0], kwargs={"attention_mask": mask})
+
+    def trained(seed, steps, state=None):
+        model = make()
+        router = fxnx.CreditRouter(G, model, rule="kolen_pollack", seed=seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if state is not None:
+            router.load_state_dict(safetensors.load(safetensors.save(state[0])))
+            opt.load_state_dict(state[1])
+        for ids, y in steps:
+            opt.zero_grad()
+            F.cross_entropy(router(ids, attention_mask=mask).logits, y).backward()
+            opt.step()
+            router.update_feedback(lr=0.05, weight_decay=1e-2)
+        return model, router, opt
+
+    want, router, _ = trained(0, batches)
+    assert len(router.feedback) == 14  # every projection, the pooler and the head
+    _, first, opt = trained(0, batches[:2])
+    resumed, _, _ = trained(5, batches[2:], (first.state_dict(), opt.state_dict()))
+    _same(resumed.state_dict(), want.state_dict())
