@@ -228,6 +228,7 @@ class CreditRouter(nn.Module):
         self._watched: dict[int, list[nn.Module]] = {}
         self._fingerprints = Fingerprints()  # of the watched modules, walked where they changed
         self._last = threading.local()  # this thread's last forward, for backward()
+        self.register_load_state_dict_pre_hook(_hint_without_router_state)
 
     @property
     def feedback(self) -> dict[str, Any]:
@@ -734,6 +735,19 @@ class CreditRouter(nn.Module):
             "a CreditRouter cannot be pickled or copied (it holds its capture and this "
             "thread's last forward): save router.state_dict() (the model's and each node's "
             "feedback weights), and load it into a new CreditRouter(G, model, rule)"
+        )
+
+
+def _hint_without_router_state(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any,
+                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                               error_msgs: list[str]) -> None:
+    """Say, with torch's error for a strict ``load_state_dict`` of a state without the
+    router's own, what it is and what loads it."""
+    if strict and prefix + "_extra_state" not in state_dict:
+        error_msgs.append(
+            "the state has no router state ('_extra_state': the seed and each node's rule and "
+            "feedback weights), as a model's own state_dict has none: load a model's state_dict "
+            "into router.model, or this one with strict=False, which keeps the router's own feedback"
         )
 
 
