@@ -228,7 +228,6 @@ class CreditRouter(nn.Module):
         self._watched: dict[int, list[nn.Module]] = {}
         self._fingerprints = Fingerprints()  # of the watched modules, walked where they changed
         self._last = threading.local()  # this thread's last forward, for backward()
-        self.register_load_state_dict_pre_hook(_hint_without_router_state)
 
     @property
     def feedback(self) -> dict[str, Any]:
@@ -483,6 +482,21 @@ class CreditRouter(nn.Module):
         self._bound, self._plans, self._grafts, self._fast = {}, {}, {}, {}
         self._plan, self._tail, self._fixed = None, None, {}
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, whose error for a state without the router's own
+        (a model's ``state_dict``) says also what it lacks and what loads it."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as error:
+            if not strict or "_extra_state" in state_dict:
+                raise
+            raise RuntimeError(
+                f"{error}\n\tThe state has no router state ('_extra_state': the seed and each node's "
+                "rule and feedback weights), as a model's own state_dict has none: load a model's "
+                "state_dict into router.model, or this one with strict=False, which keeps the "
+                "router's own feedback"
+            ) from None
+
     def grafted(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, *, collect: bool) -> tuple[Graft, list[Any]]:
         """The router's forward for these inputs (capture and graft reused or made) and the
         values to call it with.
@@ -735,19 +749,6 @@ class CreditRouter(nn.Module):
             "a CreditRouter cannot be pickled or copied (it holds its capture and this "
             "thread's last forward): save router.state_dict() (the model's and each node's "
             "feedback weights), and load it into a new CreditRouter(G, model, rule)"
-        )
-
-
-def _hint_without_router_state(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any,
-                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
-                               error_msgs: list[str]) -> None:
-    """Say, with torch's error for a strict ``load_state_dict`` of a state without the
-    router's own, what it is and what loads it."""
-    if strict and prefix + "_extra_state" not in state_dict:
-        error_msgs.append(
-            "the state has no router state ('_extra_state': the seed and each node's rule and "
-            "feedback weights), as a model's own state_dict has none: load a model's state_dict "
-            "into router.model, or this one with strict=False, which keeps the router's own feedback"
         )
 
 
