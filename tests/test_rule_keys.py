@@ -226,3 +226,37 @@ def test_two_edges_claiming_one_argument_are_refused():
     moved.edges["x", "mul", 1]["arg"] = 0  # an arg changed to the other occurrence's
     with pytest.raises(fxnx.errors.FxnxValueError, match=r"both claim argument 0 of node 'mul'"):
         fxnx.route_credit(moved, Square(), x)
+
+
+class _Recurrent(nn.Module):
+    """Token ids, an embedding, an LSTM, a bilinear mix and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.rnn = nn.LSTM(6, 8, batch_first=True)
+        self.mix = nn.Bilinear(8, 8, 8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h, _ = self.rnn(self.emb(ids))
+        last = h[:, -1]
+        return self.fc(self.mix(last, last))
+
+
+@pytest.mark.parametrize("rule", ["feedback_alignment", "direct_feedback_alignment", "kolen_pollack"])
+def test_a_feedback_preset_says_which_layers_with_weights_it_leaves_exact(rule):
+    """An nn.LSTM or nn.Bilinear has no rule in the feedback presets, so it is routed exactly:
+    backprop's credit through its own weights, under a rule whose point is that there is none.
+    The router says so once, naming the nodes; an embedding (token ids take no credit) is not
+    named, and a rule given for those nodes, or exact by name, silences it."""
+    model, ids = _Recurrent().double(), torch.randint(0, 10, (4, 5))
+    G = fxnx.convert(model, ids)
+    with pytest.warns(UserWarning, match=rf"rule '{rule}' has no rule for nn.LSTM, nn.Bilinear, so nodes 'rnn', 'mix' are routed exactly") as caught:
+        fxnx.CreditRouter(G, model, rule=rule)(ids).sum().backward()
+    assert not any("'emb'" in str(w.message) for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        given = {nn.LSTM: fxnx.credit.Exact(), "mix": fxnx.credit.Exact()}
+        fxnx.CreditRouter(G, model, rule=rule, rules=given)(ids).sum().backward()
+        fxnx.CreditRouter(G, model, rule="exact")(ids).sum().backward()

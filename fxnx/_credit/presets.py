@@ -54,7 +54,7 @@ from .._errors import FxnxValueError, warn_user
 from .kinds import WEIGHTED_FUNCTIONS, WEIGHTED_MODULES, kind_name
 from .learned import KolenPollack, WeightMirror
 from .nodecall import NodeCall
-from .rules import DirectFeedbackAlignment, FeedbackAlignment, Rule, SignSymmetry, Transport
+from .rules import DirectFeedbackAlignment, Exact, FeedbackAlignment, Rule, SignSymmetry, Transport
 from .transport import has_weights, no_weights
 
 __all__ = ["PRESETS", "Preset", "method"]
@@ -312,6 +312,34 @@ def warn_unused_kinds(kinds: Mapping[Any, Any], calls: Iterable[NodeCall], where
             f"{where} has a rule for {shown}, but no node of this graph is {shown}, so that "
             f"rule applies to no node; {_present(kind, calls)}. Key a kind the graph has, or "
             "a node by its name (rules={'name': ...}, the names in G)"
+        )
+
+
+def warn_exact_layers(preset: Preset, calls: Iterable[NodeCall], rules: Mapping[str, Any],
+                      credited: Mapping[str, bool], overridden: Mapping[Any, Any], named: Mapping[str, Any]) -> None:
+    """Warn once where a feedback preset leaves layers with weights of their own exact for want
+    of a rule for their kind (``nn.LSTM``, ``nn.GRU``, ``nn.Bilinear``, a module kept whole):
+    their inputs get backprop's credit, through the weights themselves, under a rule whose
+    point is that they do not. ``credited``: whether a node has an input that takes credit
+    (a float one; an embedding's token ids take none, so it has nothing to route). Nodes the
+    user gave a rule, by name or kind, are left alone."""
+    if not any(isinstance(rule, (Transport, DirectFeedbackAlignment)) for rule in preset.values()):
+        return
+    left = [
+        call for call in calls
+        if call.module is not None and isinstance(rules.get(call.name), Exact) and credited.get(call.name)
+        and call.name not in named and lookup(call, overridden) is None and preset.lookup(call) is None
+        and any(p.requires_grad and p.dim() >= 2 for p in call.module.parameters())
+    ]
+    if left:
+        kinds = ", ".join(dict.fromkeys(_kind_of(call) for call in left))
+        names = ", ".join(repr(call.name) for call in left[:5]) + (", …" if len(left) > 5 else "")
+        nodes = f"nodes {names} are" if len(left) > 1 else f"node {names} is"
+        warn_user(
+            f"rule {preset.name!r} has no rule for {kinds}, so {nodes} routed exactly: "
+            "backprop's credit, through their own weights. Give their kind a rule "
+            f"(rules={{{_kind_of(left[0])}: ...}}), or name them exact to keep it so "
+            f"(rules={{{left[0].name!r}: fxnx.credit.Exact()}})"
         )
 
 

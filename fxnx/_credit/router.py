@@ -49,6 +49,7 @@ from .presets import (
     check_named,
     lookup,
     preset_of,
+    warn_exact_layers,
     warn_unused_kinds,
 )
 from .result import CreditResult, owned
@@ -736,6 +737,12 @@ class CreditRouter(nn.Module):
         calls = [entry.call for entry in plan.entries]
         warn_unused_kinds(self._by_kind, calls, "rules")
         warn_unused_kinds(self.preset.added, calls, f"rule {self.preset.name!r}")
+        credited = {
+            call.name: any(str(d.get("dtype", "")).startswith(("torch.float", "torch.bfloat", "torch.complex"))
+                           for *_, d in self.G.in_edges(call.name, data=True))
+            for call in calls if call.name in self.G
+        }
+        warn_exact_layers(self.preset, calls, plan.rules, credited, self._by_kind, self._by_name)
         if not self.preset or self._by_name or self._by_kind:
             return
         if all(isinstance(rule, Exact) for rule in plan.rules.values()):
