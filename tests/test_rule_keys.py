@@ -260,3 +260,37 @@ def test_a_feedback_preset_says_which_layers_with_weights_it_leaves_exact(rule):
         given = {nn.LSTM: fxnx.credit.Exact(), "mix": fxnx.credit.Exact()}
         fxnx.CreditRouter(G, model, rule=rule, rules=given)(ids).sum().backward()
         fxnx.CreditRouter(G, model, rule="exact")(ids).sum().backward()
+
+
+def test_an_lstm_given_feedback_alignment_sends_its_input_credit_through_b():
+    """rules={nn.LSTM: FeedbackAlignment()}, as the warning above offers: the LSTM is computed
+    again with B in place of each of its weight matrices, its input gets that computation's
+    credit, its parameters their exact credit. Oracle: torch.func.functional_call with B."""
+    torch.manual_seed(0)
+    rnn, fc = nn.LSTM(6, 8, batch_first=True).double(), nn.Linear(8, 3).double()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.fc = rnn, fc
+
+        def forward(self, x):
+            return self.fc(self.rnn(x)[0][:, -1])
+
+    model, x = Model(), torch.randn(4, 5, 6, dtype=torch.float64)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="exact", rules={nn.LSTM: FeedbackAlignment()}, seed=0)
+    xr = x.clone().requires_grad_()
+    router(xr).pow(2).sum().backward()
+    B = router.feedback["rnn"]
+    assert sorted(B) == ["weight_hh_l0", "weight_ih_l0"]
+    got = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    h = rnn(x)[0][:, -1]
+    (credit,) = torch.autograd.grad(fc(h).pow(2).sum(), h, retain_graph=True)
+    xo = x.clone().requires_grad_()
+    swapped = {**{k: v.detach() for k, v in rnn.named_parameters()}, **B}
+    (want_x,) = torch.autograd.grad(torch.func.functional_call(rnn, swapped, (xo,))[0][:, -1], xo, credit)
+    assert rel_error(xr.grad, want_x) <= 1e-12
+    fc(rnn(x)[0][:, -1]).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        assert rel_error(got[name], p.grad) <= 1e-12, name
