@@ -294,3 +294,46 @@ def test_an_lstm_given_feedback_alignment_sends_its_input_credit_through_b():
     fc(rnn(x)[0][:, -1]).pow(2).sum().backward()
     for name, p in model.named_parameters():
         assert rel_error(got[name], p.grad) <= 1e-12, name
+
+
+class _Mixed(nn.Module):
+    """A 2-D LayerNorm (an elementwise gain: exact is what a feedback rule means there), a
+    product written as a method with a parameter matrix, and a positional table added."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm((5, 8))
+        self.W = nn.Parameter(torch.randn(8, 8) / 3)
+        self.pos = nn.Parameter(torch.randn(5, 8))
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.norm(x + self.pos)
+        return self.fc(h.matmul(self.W))
+
+
+def test_the_warning_names_weight_matrices_however_captured_and_not_elementwise_weights():
+    """An LSTM captured by torch.export is a function node (aten.lstm.input) and is named too,
+    with the only way out a node has there; a product written as h.matmul(W) is named; a 2-D
+    LayerNorm and a positional table added to the input are not (naming them offered a rule
+    that would put a random matrix in place of an elementwise gain)."""
+    torch.manual_seed(0)
+    model, x = _Mixed().double(), torch.randn(4, 5, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"has no rule for method\('matmul'\) in _Mixed, so node 'matmul' is routed exactly") as caught:
+        fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")(x).sum().backward()
+    named = [str(w.message) for w in caught if "routed exactly" in str(w.message)]
+    assert len(named) == 1 and "'norm'" not in named[0] and "pos" not in named[0]
+
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.r, self.b = nn.Linear(6, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 5)
+
+        def forward(self, x):
+            return self.b(self.r(self.a(x))[0])
+
+    model, x = Recurrent().double(), torch.randn(4, 3, 6, dtype=torch.float64)
+    G = fxnx.convert(model, x, routes="export")
+    with pytest.warns(UserWarning, match=r"no rule for aten.lstm.input in nn.LSTM, so node 'lstm' is routed exactly.*"
+                      r"Route them by a rule of your own by name, or name them exact .*rules=\{'lstm': fxnx.credit.Exact\(\)\}"):
+        fxnx.CreditRouter(G, model, rule="feedback_alignment")(x).sum().backward()

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from .._errors import FxnxValueError, warn_user
-from .kinds import WEIGHTED_FUNCTIONS, WEIGHTED_MODULES, kind_name
+from .kinds import WEIGHTED_FUNCTIONS, WEIGHTED_MODULES, kind_name, mixes
 from .learned import KolenPollack, WeightMirror
 from .nodecall import NodeCall
 from .rules import DirectFeedbackAlignment, Exact, FeedbackAlignment, Rule, SignSymmetry, Transport
@@ -317,28 +317,31 @@ def warn_unused_kinds(kinds: Mapping[Any, Any], calls: Iterable[NodeCall], where
 
 def warn_exact_layers(preset: Preset, calls: Iterable[NodeCall], rules: Mapping[str, Any],
                       credited: Mapping[str, bool], overridden: Mapping[Any, Any], named: Mapping[str, Any]) -> None:
-    """Warn once where a feedback preset leaves layers with weights of their own exact for want
-    of a rule for their kind (``nn.LSTM``, ``nn.GRU``, ``nn.Bilinear``, a module kept whole):
-    their inputs get backprop's credit, through the weights themselves, under a rule whose
-    point is that they do not. ``credited``: whether a node has an input that takes credit
-    (a float one; an embedding's token ids take none, so it has nothing to route). Nodes the
-    user gave a rule, by name or kind, are left alone."""
+    """Warn once where a feedback preset leaves layers with weight matrices of their own exact
+    for want of a rule for their kind (:func:`.kinds.mixes`: ``nn.LSTM``, ``nn.Bilinear``, a
+    module kept whole that holds linear layers, ``aten.lstm`` in an exported graph,
+    ``h.matmul(W)``): their inputs get backprop's credit, through the weights themselves,
+    under a rule whose point is that they do not. Norms and other elementwise weights are not
+    named: exact is what a feedback rule means there. ``credited``: whether a node has a
+    floating-point input (an embedding's token ids take no credit). Nodes the user gave a
+    rule, by name or kind, are left alone."""
     if not any(isinstance(rule, (Transport, DirectFeedbackAlignment)) for rule in preset.values()):
         return
     left = [
         call for call in calls
-        if call.module is not None and isinstance(rules.get(call.name), Exact) and credited.get(call.name)
-        and call.name not in named and lookup(call, overridden) is None and preset.lookup(call) is None
-        and any(p.requires_grad and p.dim() >= 2 for p in call.module.parameters())
+        if isinstance(rules.get(call.name), Exact) and credited.get(call.name) and call.name not in named
+        and lookup(call, overridden) is None and preset.lookup(call) is None and mixes(call)
     ]
     if left:
         kinds = ", ".join(dict.fromkeys(_kind_of(call) for call in left))
         names = ", ".join(repr(call.name) for call in left[:5]) + (", …" if len(left) > 5 else "")
         nodes = f"nodes {names} are" if len(left) > 1 else f"node {names} is"
+        module = next((call for call in left if call.module is not None), None)
+        give = (f"Give their kind a rule (rules={{{_kind_of(module)}: ...}})" if module is not None
+                else "Route them by a rule of your own by name")
         warn_user(
-            f"rule {preset.name!r} has no rule for {kinds}, so {nodes} routed exactly: "
-            "backprop's credit, through their own weights. Give their kind a rule "
-            f"(rules={{{_kind_of(left[0])}: ...}}), or name them exact to keep it so "
+            f"rule {preset.name!r} has no rule for {kinds}, so {nodes} routed exactly: backprop's "
+            f"credit, through the layer's own weights. {give}, or name them exact to keep it so "
             f"(rules={{{left[0].name!r}: fxnx.credit.Exact()}})"
         )
 
