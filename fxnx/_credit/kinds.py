@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .nodecall import NodeCall
 
 __all__ = ["CONTAINERS", "CONVOLUTIONS", "LAYERS", "NATIVE_FUNCTIONS", "WEIGHTED_FUNCTIONS",
-           "WEIGHTED_MODULES", "kind_name"]
+           "WEIGHTED_METHODS", "WEIGHTED_MODULES", "kind_name"]
 
 _aten = torch.ops.aten
 
@@ -82,6 +82,8 @@ def mixes(call: NodeCall) -> bool:
     return name.split(".")[0] in MIXING_NAMES and any(p.dim() >= 2 for p in call.own_parameters())
 
 
+#: The same products written as tensor methods (``h.matmul(W)``, ``h.mm(W)``), by name.
+WEIGHTED_METHODS = ("matmul", "mm", "bmm", "addmm", "baddbmm")
 #: ``F.linear`` as a symbolic trace and as ``torch.export`` record it.
 LINEAR_FUNCTIONS = frozenset({F.linear, _aten.linear.default})
 #: Those whose autograd backward reads the weight only through tensors it saved, so that

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from .._errors import FxnxValueError, warn_user
-from .kinds import WEIGHTED_FUNCTIONS, WEIGHTED_MODULES, kind_name, mixes
+from .kinds import WEIGHTED_FUNCTIONS, WEIGHTED_METHODS, WEIGHTED_MODULES, kind_name, mixes
 from .learned import KolenPollack, WeightMirror
 from .nodecall import NodeCall
 from .rules import DirectFeedbackAlignment, Exact, FeedbackAlignment, Rule, SignSymmetry, Transport
@@ -257,6 +257,8 @@ def _takes(rule: Any, call: NodeCall) -> bool:
     module's own: a feedback rule only a product with a weight, any other rule every node."""
     if not isinstance(rule, _FEEDBACK):
         return True
+    if call.op == "call_method":
+        return call.target in WEIGHTED_METHODS
     try:
         return call.op == "call_function" and call.target in _WEIGHTED
     except TypeError:  # an unhashable callable
@@ -377,7 +379,7 @@ def _kind_of(call: NodeCall) -> str:
 
 
 def _every(rule: Rule) -> dict[Any, Rule]:
-    return dict.fromkeys((*WEIGHTED_MODULES, *WEIGHTED_FUNCTIONS), rule)
+    return dict.fromkeys((*WEIGHTED_MODULES, *WEIGHTED_FUNCTIONS, *map(method, WEIGHTED_METHODS)), rule)
 
 
 def preset_of(rule: Rule) -> Preset:
