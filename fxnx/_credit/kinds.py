@@ -17,8 +17,8 @@ from .._compat import OpOverload
 if TYPE_CHECKING:
     from .nodecall import NodeCall
 
-__all__ = ["CONTAINERS", "CONVOLUTIONS", "LAYERS", "NATIVE_FUNCTIONS", "WEIGHTED_FUNCTIONS",
-           "WEIGHTED_METHODS", "WEIGHTED_MODULES", "kind_name"]
+__all__ = ["CONTAINERS", "CONVOLUTIONS", "LAYERS", "MIXING_MODULES", "MIXING_NAMES", "NATIVE_FUNCTIONS",
+           "WEIGHTED_FUNCTIONS", "WEIGHTED_METHODS", "WEIGHTED_MODULES", "kind_name", "mixes"]
 
 _aten = torch.ops.aten
 
@@ -52,36 +52,6 @@ WEIGHTED_FUNCTIONS = (
     _aten.addmm.default, _aten.baddbmm.default, _aten.bmm.default, _aten.einsum.default,
     _aten.matmul.default, _aten.mm.default,
 )
-#: Modules that mix their input's features through weight matrices of their own, and for
-#: which the feedback presets have no rule (a feedback preset names them where it leaves them
-#: exact: :func:`.presets.warn_exact_layers`).
-MIXING_MODULES = (nn.RNNBase, nn.RNNCellBase, nn.Bilinear)
-#: The same, and the products with a weight the presets do not route, as functions, methods
-#: and ATen operators (``torch.lstm_cell``, ``h.matmul(W)``, ``aten.lstm.input``), by name.
-MIXING_NAMES = frozenset({
-    "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
-    "bilinear", "_trilinear", "tensordot", "mv", "addmv", "inner", "linalg_multi_dot",
-    "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum",
-})
-
-
-def mixes(call: NodeCall) -> bool:
-    """Whether ``call``'s node multiplies its input by a weight matrix of its own (a parameter
-    of two or more dimensions, frozen or not) in a way that :data:`MIXING_MODULES` or
-    :data:`MIXING_NAMES` says, or is a module kept whole that holds such layers."""
-    module = call.module
-    if module is not None:
-        if not any(p.dim() >= 2 for p in module.parameters()):
-            return False
-        if isinstance(module, MIXING_MODULES):
-            return True
-        inside = (*WEIGHTED_MODULES, *MIXING_MODULES)
-        kept_whole = not type(module).__module__.startswith("torch.")
-        return kept_whole and any(isinstance(m, inside) for m in module.modules())
-    name = call.target if isinstance(call.target, str) else getattr(call.target, "__name__", "")
-    return name.split(".")[0] in MIXING_NAMES and any(p.dim() >= 2 for p in call.own_parameters())
-
-
 #: The same products written as tensor methods (``h.matmul(W)``, ``h.mm(W)``), by name.
 WEIGHTED_METHODS = ("matmul", "mm", "bmm", "addmm", "baddbmm")
 #: ``F.linear`` as a symbolic trace and as ``torch.export`` record it.
@@ -119,3 +89,34 @@ def kind_name(kind: Any) -> str:
     module = getattr(kind, "__module__", None)
     module = _MODULES.get(module, module) if isinstance(module, str) else None
     return f"{module}.{name}" if module else name
+
+
+#: Modules that mix their input's features through weight matrices of their own, and for
+#: which the feedback presets have no rule (a feedback preset names them where it leaves them
+#: exact: :func:`.presets.warn_exact_layers`).
+MIXING_MODULES = (nn.RNNBase, nn.RNNCellBase, nn.Bilinear)
+#: The same as functions and ATen operators (``torch.lstm_cell``, ``aten.lstm.input``), other
+#: products with a weight (``torch.tensordot``), and the products a preset of one's own may
+#: leave out (``h @ W`` under ``{nn.Linear: ...}``), by name.
+MIXING_NAMES = frozenset({
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "bilinear", "_trilinear", "tensordot", "mv", "addmv", "inner", "linalg_multi_dot",
+    "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum",
+})
+
+
+def mixes(call: NodeCall) -> bool:
+    """Whether ``call``'s node multiplies its input by a weight matrix of its own (a parameter
+    of two or more dimensions, frozen or not) in a way that :data:`MIXING_MODULES` or
+    :data:`MIXING_NAMES` says, or is a module kept whole that holds such layers."""
+    module = call.module
+    if module is not None:
+        if not any(p.dim() >= 2 for p in module.parameters()):
+            return False
+        if isinstance(module, MIXING_MODULES):
+            return True
+        inside = (*WEIGHTED_MODULES, *MIXING_MODULES)
+        kept_whole = not type(module).__module__.startswith("torch.")
+        return kept_whole and any(isinstance(m, inside) for m in module.modules())
+    name = call.target if isinstance(call.target, str) else getattr(call.target, "__name__", "")
+    return name.split(".")[0] in MIXING_NAMES and any(p.dim() >= 2 for p in call.own_parameters())

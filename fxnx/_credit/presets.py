@@ -322,7 +322,7 @@ def warn_exact_layers(preset: Preset, calls: Iterable[NodeCall], rules: Mapping[
     """Warn once where a feedback preset leaves layers with weight matrices of their own exact
     for want of a rule for their kind (:func:`.kinds.mixes`: ``nn.LSTM``, ``nn.Bilinear``, a
     module kept whole that holds linear layers, ``aten.lstm`` in an exported graph,
-    ``h.matmul(W)``): their inputs get backprop's credit, through the weights themselves,
+    ``torch.tensordot`` with a weight): their inputs get backprop's credit, through the weights themselves,
     under a rule whose point is that they do not. Norms and other elementwise weights are not
     named: exact is what a feedback rule means there. ``credited``: whether a node has a
     floating-point input (an embedding's token ids take no credit). Nodes the user gave a
