@@ -1109,6 +1109,72 @@ def test_a_router_under_functional_call_says_its_parameters_were_swapped(model):
         torch.func.functional_call(router, params, (x,))
 
 
+@pytest.mark.parametrize("rule", ["feedback_alignment", "usf", "kolen_pollack", "direct_feedback_alignment", "own_rule"])
+def test_a_first_call_under_functional_call_is_refused_and_leaves_the_router_as_it_was(rule):
+    """A router's first call binds its rules to the model's parameters. Under
+    ``torch.func.functional_call`` these were the caller's tensors for that call: the call ran,
+    and the router then refused every call on the model's own parameters ("its weight was
+    replaced … build a new router", or its forward "does not compute what the captured graph
+    computes"). That first call is refused now, binding nothing: the router's next call on the
+    model's own parameters routes as a router never called under it does."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(net, x)
+
+    def build():
+        if rule == "own_rule":
+            return fxnx.CreditRouter(G, net, rules={"_2": _OwnCall()}, seed=3)
+        return fxnx.CreditRouter(G, net, rule=rule, seed=3)
+
+    router, fresh = build(), build()
+    params = {n: (p.detach() * 1.5).requires_grad_() for n, p in router.named_parameters()}
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"first call .* swapped in .*functional_call.* once on the model's own"):
+        torch.func.functional_call(router, params, (x,))
+    assert all(p.grad is None for p in params.values())
+    grads = []
+    for r in (router, fresh):
+        net.zero_grad()
+        out = r(x)
+        out.pow(2).sum().backward()
+        grads.append([out.detach(), *(p.grad.clone() for p in net.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    # exact (the model's own forward) runs under it, first call or not: autograd's gradients
+    exact = fxnx.CreditRouter(G, net)
+    torch.func.functional_call(exact, params, (x,)).pow(2).sum().backward()
+    want = [p.detach().clone().requires_grad_() for p in params.values()]
+    torch.func.functional_call(net, dict(zip([n.removeprefix("model.") for n in params], want, strict=True)), (x,)).pow(2).sum().backward()
+    assert all(rel_error(p.grad, w.grad) <= 1e-12 for p, w in zip(params.values(), want, strict=True))
+
+
+def test_a_first_run_that_fails_its_check_is_checked_again_at_the_next_call(monkeypatch):
+    """A router's first run of a graft is checked against the captured graph's output once.
+    Where that check failed (or the run raised before it), the graft stayed, its check spent
+    or made on the other call's inputs: the next call ran unchecked, or was refused for a
+    difference of inputs. The graft is dropped now, and the next call makes and checks it
+    again."""
+    import fxnx._credit.graft as graft
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    router = fxnx.CreditRouter(fxnx.convert(net, x), net, rule="feedback_alignment")
+    checks = []
+
+    def differs(result, expected):
+        checks.append(result)
+        return "a difference made up by this test"
+
+    monkeypatch.setattr(graft, "differs", differs)
+    for _ in range(2):
+        with pytest.raises(fxnx.errors.FxnxValueError, match="made up by this test"):
+            router(x)
+    assert len(checks) == 2
+    monkeypatch.undo()
+    out = router(x)
+    assert torch.equal(out, net(x))
+
+
 @pytest.mark.parametrize("rule", sorted(fxnx.credit.PRESETS))
 def test_an_empty_batch_is_routed_by_every_preset(rule):
     """A batch of zero samples (the last, empty, batch of a loader): direct feedback

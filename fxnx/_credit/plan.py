@@ -297,11 +297,17 @@ def _match_edges(G: nx.MultiDiGraph, call: NodeCall, gm: fx.GraphModule, model: 
 _SPECIALISED = frozenset({"export", "draft_export", "make_fx"})
 
 
+def swapped_names(model: Any) -> list[str]:
+    """The model's parameters that are plain tensors swapped in for this call (what
+    ``torch.func.functional_call`` does)."""
+    return [n for n, p in model.named_parameters() if not isinstance(p, nn.Parameter)] if isinstance(model, nn.Module) else []
+
+
 def swapped_in(model: Any) -> str:
     """A sentence naming the model's parameters that are plain tensors swapped in for this
-    call (what ``torch.func.functional_call`` does), or empty: the router routes credit to
-    the model's own parameters, and its feedback weights were made for them."""
-    swapped = [n for n, p in model.named_parameters() if not isinstance(p, nn.Parameter)] if isinstance(model, nn.Module) else []
+    call (:func:`swapped_names`), or empty: the router routes credit to the model's own
+    parameters, and its feedback weights were made for them."""
+    swapped = swapped_names(model)
     if not swapped:
         return ""
     return (

@@ -41,7 +41,7 @@ from .faithful import Probe, backward_differs, check_hooks, differs, probe
 from .graft import Graft, graft
 from .learned import check_learning
 from .nodecall import NodeCall
-from .plan import Plan, check_arguments, compile_plan
+from .plan import Plan, check_arguments, compile_plan, swapped_names
 from .presets import (
     PRESETS,
     Preset,
@@ -265,7 +265,13 @@ class CreditRouter(nn.Module):
             else:
                 if run.collect and run.writes_inputs:
                     _refuse_input_writes(run.writes_inputs)
-                result, output, nodes = (_run_checked_eagerly if compiling else run_checked)(run, self.model, values)
+                first = run.expect is not None
+                try:
+                    result, output, nodes = (_run_checked_eagerly if compiling else run_checked)(run, self.model, values)
+                except BaseException:
+                    if first:  # its check against the capture is not done: made again next call
+                        self._forget(run)
+                    raise
         self._last.run = (run, result, output, nodes)
         return result
 
@@ -533,7 +539,9 @@ class CreditRouter(nn.Module):
         if run is None:
             plan = self._plans.get(id(cap.gm))
             if plan is None:
+                bound = set(self._bound)
                 plan = compile_plan(self.G, cap.gm, self.model, self._choose)
+                self._refuse_swapped(plan, bound)
                 self._loaded = {}  # bound into the plan's rules (_choose)
                 self._plans = {id(cap.gm): plan}  # the capture changed: the old plan is stale
                 self._grafts = {}
@@ -572,6 +580,32 @@ class CreditRouter(nn.Module):
         # that writes into its input must write into the caller's, as model(x) does)
         values = placeholders_for(cap, self.model, inputs, kwargs, copy=collect)
         return run, values if values is not None else (cap.inputs or [])
+
+    def _refuse_swapped(self, plan: Plan, bound: set[Any]) -> None:
+        """Refuse a plan compiled while the model's parameters are tensors swapped in for
+        this call (``torch.func.functional_call``) where a rule other than exact routes a node,
+        dropping the rules it bound (``bound``: the keys bound before): a rule binds to its
+        node's parameters, and these are the caller's for one call. The router is left as it
+        was, to be called on the model's own parameters."""
+        swapped = swapped_names(self.model)
+        routed = next((name for name, rule in plan.rules.items() if not isinstance(rule, Exact)), None)
+        if not swapped or routed is None:
+            return
+        for key in set(self._bound) - bound:
+            del self._bound[key]
+        raise FxnxValueError(
+            f"node {routed!r} is routed by {rule_name(plan.rules[routed])!r}, and this first call "
+            f"of the router for these inputs runs on tensors swapped in for the parameters "
+            f"{swapped[:4]}{' …' if len(swapped) > 4 else ''} (torch.func.functional_call does "
+            "this), where the router binds its rules to the model's own parameters. Call "
+            "router(...) once on the model's own parameters first (rules that put feedback "
+            "weights in place of a layer's weights then still need them)"
+        )
+
+    def _forget(self, run: Graft) -> None:
+        """Drop ``run``, whose first run failed: the next call makes and checks it again."""
+        self._grafts = {key: kept for key, kept in self._grafts.items() if kept is not run}
+        self._fast = {key: kept for key, kept in self._fast.items() if kept[1] is not run}
 
     def _probe(self, plan: Plan, cap: Capture, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
                *, compare: bool = True, every_call: bool = False) -> Probe:
