@@ -539,9 +539,9 @@ class CreditRouter(nn.Module):
         if run is None:
             plan = self._plans.get(id(cap.gm))
             if plan is None:
-                bound = set(self._bound)
+                before = set(self._bound)
                 plan = compile_plan(self.G, cap.gm, self.model, self._choose)
-                self._refuse_swapped(plan, bound)
+                self._refuse_swapped(plan, before)
                 self._loaded = {}  # bound into the plan's rules (_choose)
                 self._plans = {id(cap.gm): plan}  # the capture changed: the old plan is stale
                 self._grafts = {}
