@@ -1147,6 +1147,35 @@ def test_a_first_call_under_functional_call_is_refused_and_leaves_the_router_as_
     assert all(rel_error(p.grad, w.grad) <= 1e-12 for p, w in zip(params.values(), want, strict=True))
 
 
+def test_direct_feedback_alignment_under_functional_call_routes_the_tensors_given():
+    """After one call on the model's own parameters, ``functional_call(router, params, x)``
+    under direct feedback alignment gives the tensors given the credit a router gives a model
+    holding their values (convolutions, train-mode batch norm, a linear head)."""
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Tanh(),
+            nn.Flatten(), nn.Linear(64, 3),
+        ).double()
+
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64)
+    models = net(), net()
+    G = fxnx.convert(models[0], x)
+    router, other = (fxnx.CreditRouter(G, m, rule="direct_feedback_alignment", seed=1) for m in models)
+    router(x), other(x)
+    params = {n: (p.detach() * 1.3).requires_grad_() for n, p in router.named_parameters()}
+    out = torch.func.functional_call(router, params, (x,))
+    out.pow(2).sum().backward()
+    with torch.no_grad():
+        for n, p in other.named_parameters():
+            p.copy_(params[n])
+    want = other(x)
+    want.pow(2).sum().backward()
+    assert torch.equal(out, want)
+    assert all(torch.equal(params[n].grad, p.grad) for n, p in other.named_parameters())
+    assert all(p.grad is None for p in models[0].parameters())
+
+
 def test_a_first_run_that_fails_its_check_is_checked_again_at_the_next_call(monkeypatch):
     """A router's first run of a graft is checked against the captured graph's output once.
     Where that check failed (or the run raised before it), the graft stayed, its check spent
