@@ -1176,6 +1176,43 @@ def test_direct_feedback_alignment_under_functional_call_routes_the_tensors_give
     assert all(p.grad is None for p in models[0].parameters())
 
 
+class _HookInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h.register_hook(lambda g: g * 3)  # symbolic tracing fails on it; torch.export drops it
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["feedback_alignment", "node_credit", "route_credit"])
+def test_a_hook_the_forward_registers_on_a_tensor_is_refused_where_the_graph_routes(how):
+    """``h.register_hook(fn)`` in ``forward``: the graph (from ``torch.export``, symbolic
+    tracing fails on it) does not hold the hook, so every route over the graph left it out
+    (``a.weight``'s credit 0.667 off autograd's under rule='exact' with node_credit=True and
+    under route_credit; the hook never called). Refused now, naming the hook; the router that
+    runs the model's own forward keeps it, equal to autograd."""
+    torch.manual_seed(0)
+    net = _HookInForward().double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(net, x)
+    net(x).sum().backward()
+    want = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    fxnx.CreditRouter(G, net)(x).sum().backward()
+    assert all(rel_error(p.grad, w) <= 1e-12 for p, w in zip(net.parameters(), want, strict=True))
+    net.zero_grad()
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"registers a hook on a tensor .*register_hook\(_HookInForward.forward.<locals>.<lambda>\)"):
+        if how == "route_credit":
+            fxnx.route_credit(G, net, x, rule="exact")
+        else:
+            router = fxnx.CreditRouter(G, net, rule="exact" if how == "node_credit" else how, node_credit=how == "node_credit")
+            router(x).sum().backward()
+    assert all(p.grad is None for p in net.parameters())
+
+
 def test_a_first_run_that_fails_its_check_is_checked_again_at_the_next_call(monkeypatch):
     """A router's first run of a graft is checked against the captured graph's output once.
     Where that check failed (or the run raised before it), the graft stayed, its check spent

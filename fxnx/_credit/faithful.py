@@ -14,7 +14,8 @@ against it the first time it runs (:func:`differs`, once per graft, so later cal
 nothing), and the captured graph against ``model(...)`` itself once per capture
 (:mod:`.router`): a credit run never returns an output the model would not. What a trace
 leaves out, hooks it never ran, is refused
-(:func:`check_hooks`).
+(:func:`check_hooks`), and so is a hook the model's forward registers on a tensor it computes
+(:class:`TensorHooks`), which no captured graph holds.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from .._capture.shapes import mutable, node_failure
 from .._compat import global_hooks, has_hooks, pytree, version
 from .._errors import FxnxValueError
 
-__all__ = ["Probe", "check_hooks", "differs", "probe"]
+__all__ = ["Probe", "TensorHooks", "check_hooks", "differs", "probe"]
 
 
 @dataclass(frozen=True)
@@ -252,3 +254,34 @@ def check_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
         f"hook, {whole}or route with rule='exact' and node_credit=False, whose forward is the "
         "model's own"
     )
+
+
+class TensorHooks(TorchFunctionMode):
+    """Records the hooks a run of the model registers on tensors other than leaves that take
+    gradients (``h.register_hook(fn)`` in ``forward``): no captured graph holds them (a
+    symbolic trace fails on them, ``torch.export`` drops them), so a credit run over the graph
+    would route without them. Each hook is recorded before it is registered, so a run without
+    gradients (where registering fails) still shows it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooks: list[Any] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is Tensor.register_hook and args and not (args[0].is_leaf and args[0].requires_grad):
+            self.hooks.append(args[1] if len(args) > 1 else (kwargs or {}).get("hook"))
+        return func(*args, **(kwargs or {}))
+
+    def refusal(self, model: str) -> FxnxValueError | None:
+        """The error naming the first hook recorded, or None."""
+        if not self.hooks:
+            return None
+        hook = self.hooks[0]
+        name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+        return FxnxValueError(
+            f"the forward of {model} registers a hook on a tensor it computes "
+            f"(Tensor.register_hook({name})), which the captured graph does not hold, so "
+            "credit routed over the graph would leave the hook out. Register it as a module's "
+            "hook (register_full_backward_hook) or on a parameter, or route with rule='exact' "
+            "and node_credit=False, whose forward is the model's own"
+        )

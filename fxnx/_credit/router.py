@@ -37,7 +37,7 @@ from .._state import preserved
 from . import feedback as fb
 from .accumulated import accumulated, reaches
 from .compare import cosine_angle, flat
-from .faithful import Probe, backward_differs, check_hooks, differs, probe
+from .faithful import Probe, TensorHooks, backward_differs, check_hooks, differs, probe
 from .graft import Graft, graft
 from .learned import check_learning
 from .nodecall import NodeCall
@@ -66,6 +66,8 @@ _RESULT = "\0result"  # the model's output among the values whose credit backwar
 #: Where on G the captures checked against the model are noted (capture id -> weak reference).
 _CHECKED = "_fxnx_checked"
 _SAME_BACKWARD = "_fxnx_same_backward"  # captures whose autograd was found the model's
+_HOOKED = "_fxnx_hooked"  # captures to the refusal of the tensor hooks their model's forward registers
+_NOT_RUN = object()
 
 
 class CreditRouter(nn.Module):
@@ -209,7 +211,7 @@ class CreditRouter(nn.Module):
             self.model = model
         else:  # a plain callable: not a submodule
             object.__setattr__(self, "model", model)
-        self.G = snapshot(G, _CHECKED, _SAME_BACKWARD)
+        self.G = snapshot(G, _CHECKED, _SAME_BACKWARD, _HOOKED)
         self.seed = seed
         self.node_credit = bool(node_credit)
         self._given = dict(feedback or {})
@@ -549,6 +551,9 @@ class CreditRouter(nn.Module):
             # (a graph that follows the example's values is compared at every call, below)
             seen = self._probe(plan, cap, inputs, kwargs, compare=not cap.reads_values)
             run = graft(plan, seed=self.seed, collect=collect, probe=seen)
+            hooked = kept_on(self.G, _HOOKED).get(id(cap.gm))
+            if not run.plain and hooked is not None and hooked[0]() is cap.gm and hooked[1] is not None:
+                raise hooked[1]
             run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
         if cap.reads_values and not run.plain:  # its branches may not be these inputs'
@@ -626,10 +631,14 @@ class CreditRouter(nn.Module):
         run_model = self._on_copies(inputs, kwargs)
         if run_model is None:
             return seen
+        spy = TensorHooks()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), spy:
                 eager = run_model()
         except Exception:  # the graph runs where the model does not: nothing to compare
+            eager = _NOT_RUN
+        kept_on(self.G, _HOOKED)[id(cap.gm)] = (weakref.ref(cap.gm), spy.refusal(qualname(model)))
+        if eager is _NOT_RUN:
             return seen
         problem = differs(seen.output, eager)
         if problem is not None and cap.reads_values:
