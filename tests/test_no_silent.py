@@ -631,6 +631,52 @@ def test_a_global_the_forward_reads_is_not_baked_into_a_reused_capture(monkeypat
     assert torch.equal(fxnx.CreditRouter(G, model, rule="feedback_alignment")(x), want)
 
 
+_CONFIG = {"scale": 2.0}
+_SCALES = [2.0]
+_SETTINGS = __import__("types").SimpleNamespace(scale=2.0)
+
+
+class _ReadsGlobals(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.kind = kind
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.kind == "dict":
+            h = h * _CONFIG["scale"]
+        elif self.kind == "list":
+            h = h * _SCALES[0]
+        else:
+            h = h * _SETTINGS.scale
+        return self.b(h)
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "namespace"])
+def test_a_global_changed_in_place_is_not_baked_into_a_reused_capture(kind):
+    """A trace bakes ``_CONFIG["scale"]`` in as a constant. Globals were compared by identity,
+    so one changed in place (a dict's item, a list's, a namespace's attribute) left the
+    capture reused: the router's output 0.36 off the model's, route_credit's credit 0.33 off
+    autograd's, silently. Globals are compared by value now."""
+    torch.manual_seed(0)
+    model, x = _ReadsGlobals(kind).double(), torch.randn(5, 3, dtype=F64)
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    router(x)
+    fxnx.route_credit(G, model, x, rule="exact")
+    _CONFIG["scale"] = _SCALES[0] = _SETTINGS.scale = 3.0
+    try:
+        want = model(x)
+        assert torch.equal(router(x), want)
+        want.sum().backward()
+        got = fxnx.route_credit(G, model, x, rule="exact")
+    finally:
+        _CONFIG["scale"] = _SCALES[0] = _SETTINGS.scale = 2.0
+    assert torch.equal(got.output, want.detach())
+    assert rel_error(got.param_credit["a.weight"], model.a.weight.grad) <= 1e-12
+
+
 def test_a_result_holds_no_tensor_of_the_callers():
     """The output credit given comes back as the output node's credit: a copy, so writing
     into the caller's tensor afterwards changes no result (route_credit and router.backward)."""

@@ -15,9 +15,12 @@ fingerprint holds every attribute of every module *by value*, all the way down:
   values its closure holds;
 - anything else (an object none of these describe) as a value equal to nothing, so
   the model is captured again every time rather than reused on a guess;
-- the module-level globals each ``forward`` names (``SCALE`` in ``x * SCALE``, which a
-  trace bakes in as a constant): plain ones by value, others by identity (a global
-  rebound to another object is seen; one changed in place, such as a list, is not).
+- the module-level globals each ``forward`` names (``SCALE`` in ``x * SCALE``, or
+  ``CONFIG["scale"]``, which a trace bakes in as a constant): by value as above, so a
+  global dict, list or namespace changed in place is seen; one whose walk meets what
+  cannot be compared, or more than :data:`_GLOBAL_BUDGET` values (a registry), and an
+  object of a standard library class (a logger), by identity alone (rebound to another
+  object is seen, changed in place is not).
 
 The walk is bounded: past :data:`_BUDGET` values the fingerprint is again equal
 to nothing.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+import sys
 import types
 from collections.abc import Iterable
 from itertools import chain
@@ -43,6 +47,8 @@ __all__ = ["Fingerprints", "fingerprint", "structure"]
 
 #: Values visited per fingerprint before giving up (BERT-base reads about 10,000).
 _BUDGET = 1_000_000
+#: Values visited per global a forward names before comparing it by identity alone.
+_GLOBAL_BUDGET = 10_000
 
 _PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
                     torch.layout, torch.memory_format, torch.Size, range, slice, type(Ellipsis)))
@@ -159,6 +165,11 @@ class Watch:
         self.versions.append(version(t))
         return self.versions[-1]
 
+    def extend(self, other: Watch) -> None:
+        """Watch what ``other`` read too (one global's walk of its own)."""
+        for name in ("sized", "lengths", "items", "owners", "names", "found", "tensors", "versions", "arrays", "empty"):
+            getattr(self, name).extend(getattr(other, name))
+
     def unchanged(self) -> bool:
         """Whether everything the walk read is still the same objects (tensors unwritten,
         arrays' bytes alike): if so the fingerprint would be the same, if not it may not be."""
@@ -227,9 +238,36 @@ def _globals_read(modules: list[nn.Module], watch: Watch) -> tuple[Any, ...]:
         for name in _global_names(code):
             if name in table:
                 value = table[name]
-                names.append((name, value if type(value) in _PLAIN else id(value)))
+                names.append((name, _global_value(value, watch, held)))
                 held.append(value)
     return tuple(names), _Held(held)
+
+
+def _global_value(value: Any, watch: Watch, held: list[Any]) -> Any:
+    """A global's value as a fingerprint holds it: by value where its walk of its own can
+    compare all it meets within :data:`_GLOBAL_BUDGET` values (what it read then watched
+    with the rest), else by identity."""
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, (type, *_FUNCTIONS)) or _of_the_standard_library(value):
+        return id(value)  # classes, modules, builtins, a logger: by identity
+    walk = _Walk()
+    walk.left = _GLOBAL_BUDGET
+    found = walk.value(value)
+    if walk.watch.unknown:
+        return id(value)
+    watch.extend(walk.watch)
+    held.append(walk.held)
+    return found
+
+
+def _of_the_standard_library(value: Any) -> bool:
+    """Whether ``value`` is an object of a standard library class other than a container or a
+    namespace (a ``logging.Logger``, a lock): what a forward's arithmetic does not read, and
+    whose walk reaches far (a logger reaches every logger)."""
+    if isinstance(value, (dict, *_CONTAINERS, types.SimpleNamespace)):
+        return False
+    return type(value).__module__.partition(".")[0] in sys.stdlib_module_names
 
 
 @functools.lru_cache(maxsize=1024)
