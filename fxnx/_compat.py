@@ -36,6 +36,7 @@ __all__ = [
     "decomposes",
     "drop_annotations",
     "extract_tensor_metadata",
+    "forward_hooks",
     "global_hooks",
     "has_hooks",
     "in_transform",
@@ -476,6 +477,11 @@ def has_hooks(module: Any, *, forward: bool) -> bool:
     (``register_forward_hook``, ``register_full_backward_hook`` and their pre-hook kin)."""
     tables = ("_forward_hooks", "_forward_pre_hooks") if forward else ("_backward_hooks", "_backward_pre_hooks")
     return any(getattr(module, name, None) for name in tables)
+
+
+def forward_hooks(module: Any) -> list[Any]:
+    """``module``'s own forward pre-hooks and forward hooks, in that order."""
+    return [hook for name in ("_forward_pre_hooks", "_forward_hooks") for hook in (getattr(module, name, None) or {}).values()]
 
 
 def global_hooks() -> tuple[bool, bool]:

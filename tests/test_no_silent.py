@@ -11,6 +11,7 @@ import copy
 import functools
 import random
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -1257,6 +1258,55 @@ def test_a_hook_the_forward_registers_on_a_tensor_is_refused_where_the_graph_rou
             router = fxnx.CreditRouter(G, net, rule="exact" if how == "node_credit" else how, node_credit=how == "node_credit")
             router(x).sum().backward()
     assert all(p.grad is None for p in net.parameters())
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(6, 6)
+
+    def forward(self, h):
+        return torch.tanh(self.l(h))
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.blk, self.c = nn.Linear(5, 6), _Block(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.c(self.blk(self.a(x)))
+
+
+_SEEN = {"blk": 0, "blk.l": 0}
+
+
+def test_a_forward_hook_a_graph_run_does_not_call_is_named_where_it_routes():
+    """A forward hook on a module whose code the capture traced through ran once, on the
+    trace's proxies, and never at the router's calls under a feedback rule: activations it
+    collected for a loss term were silently missing. The router says so, naming the module;
+    a hook on a layer the graph calls whole runs at every call, and so does any hook under
+    the router that runs the model's own forward."""
+    torch.manual_seed(0)
+    model, x = _Blocks(), torch.randn(4, 5)
+    seen = _SEEN  # a global the hooks name (a dict in their closure would be watched, and its
+    # count changing would capture the model again at every call)
+    model.blk.register_forward_hook(lambda *_: _SEEN.__setitem__("blk", _SEEN["blk"] + 1))
+    model.blk.l.register_forward_hook(lambda *_: _SEEN.__setitem__("blk.l", _SEEN["blk.l"] + 1))
+    G = fxnx.convert(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = fxnx.CreditRouter(G, model)
+        plain(x)
+    seen.update(blk=0, **{"blk.l": 0})
+    plain(x)
+    assert seen == {"blk": 1, "blk.l": 1}
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    with pytest.warns(UserWarning, match=r"module 'blk' has a forward hook .* does not call"):
+        router(x)
+    seen.update(blk=0, **{"blk.l": 0})
+    router(x).sum().backward()
+    assert seen == {"blk": 0, "blk.l": 1}
 
 
 def test_a_first_run_that_fails_its_check_is_checked_again_at_the_next_call(monkeypatch):

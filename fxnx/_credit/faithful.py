@@ -30,10 +30,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .._capture.shapes import mutable, node_failure
-from .._compat import global_hooks, has_hooks, pytree, version
-from .._errors import FxnxValueError
+from .._compat import forward_hooks, global_hooks, has_hooks, pytree, version
+from .._errors import FxnxValueError, warn_user
 
-__all__ = ["Probe", "TensorHooks", "check_hooks", "differs", "probe"]
+__all__ = ["Probe", "TensorHooks", "check_hooks", "differs", "probe", "warn_traced_hooks"]
 
 
 @dataclass(frozen=True)
@@ -253,6 +253,32 @@ def check_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
         "traced, not called as a module, so the result would leave the hook out. Remove the "
         f"hook, {whole}or route with rule='exact' and node_credit=False, whose forward is the "
         "model's own"
+    )
+
+
+def warn_traced_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
+    """Warn where a module whose code the capture traced through (not the model itself,
+    whose forward hooks :func:`check_hooks` refuses) has forward hooks of its own: the trace
+    ran them once, on its proxies, so the graph holds the tensor operations they made, but a
+    run of the graph never calls them, and whatever else they do (collect activations for a
+    loss term, log) does not happen at the router's calls."""
+    hooked = [m for m in traced if m is not model and forward_hooks(m)]
+    if not hooked:
+        return
+    paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+    path = paths.get(id(hooked[0]), "")
+    hook = forward_hooks(hooked[0])[0]
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    more = f" (and {len(hooked) - 1} other modules)" if len(hooked) > 1 else ""
+    warn_user(
+        f"module {path!r}{more} has a forward hook ({name}) that a run of the captured graph "
+        "does not call: its code was traced, not called as a module, so the hook ran once, "
+        "on the trace's proxies. What it computes on the output is in the graph; what else it "
+        "does (activations collected for a loss term, a log) does not happen at the router's "
+        "calls. Register the hook on a layer the graph calls whole (a torch.nn layer inside "
+        f"{path!r}, where symbolic tracing captured the model), or compute the term from the "
+        "model's outputs; a router with rule='exact' and node_credit=False runs the model's own "
+        "forward, hooks included"
     )
 
 

@@ -37,7 +37,15 @@ from .._state import preserved
 from . import feedback as fb
 from .accumulated import accumulated, reaches
 from .compare import cosine_angle, flat
-from .faithful import Probe, TensorHooks, backward_differs, check_hooks, differs, probe
+from .faithful import (
+    Probe,
+    TensorHooks,
+    backward_differs,
+    check_hooks,
+    differs,
+    probe,
+    warn_traced_hooks,
+)
 from .graft import Graft, graft
 from .learned import check_learning
 from .nodecall import NodeCall
@@ -567,6 +575,7 @@ class CreditRouter(nn.Module):
             self._watched[id(cap.gm)] = traced_through(cap.gm, self.model)
             if not run.plain:  # the guard holds the hook tables: a hook added comes back here
                 check_hooks(self.model, self._watched[id(cap.gm)])
+                warn_traced_hooks(self.model, self._watched[id(cap.gm)])
             if run.plain or not cap.reads_values:  # else every call is checked, above
                 self._fast[collect] = (self._guard(cap_, inputs, kwargs, plain=run.plain), run, cap_)
             if not collect:
