@@ -16,6 +16,8 @@ from torch import nn
 
 import fxnx
 
+from conftest import rel_error
+
 
 def _train_both(model, batches, loss_fn, *, convert=None, optimizer="sgd", seed=None):
     """Train ``model`` with an exact router and a deep copy with autograd; return both."""
@@ -198,19 +200,36 @@ class _WritesThenReads(nn.Module):
         return self.l2(h)
 
 
-def test_a_value_written_in_place_and_read_again_is_refused_or_exported():
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+def test_a_value_written_in_place_and_read_again_is_routed_as_the_model_computes(routes):
+    """``h.relu_()`` with its result dropped, then ``l2(h)``: symbolic tracing recorded
+    ``l2`` reading ``h`` as it was, so the router refused it. The trace now has ``l2`` read
+    the write's node (the same tensor at run time), as torch.export records it: exact credit
+    equals autograd's, feedback alignment's equals its formula by hand, and training with the
+    router equals autograd's bit for bit."""
     torch.manual_seed(0)
     model = _WritesThenReads().double()
     x = torch.randn(4, 4, dtype=torch.float64)
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model)
-    with pytest.raises(fxnx.errors.FxnxValueError, match=r"'relu_' writes into 'l1' in place.*h = h.relu_\(\)"):
-        router(x)
-    # torch.export records the write: there the router trains as autograd does.
+    G = fxnx.convert(model, x, routes=routes)
+    assert G.graph["capture"] == routes
+    res = fxnx.route_credit(G, model, x)
+    model(x).sum().backward()
+    assert all(rel_error(res.param_credit[n], p.grad) <= 1e-12 for n, p in model.named_parameters())
+    model.zero_grad()
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    router(x).sum().backward()
+    (B,) = [b for name, b in router.feedback.items() if "l2" in name or name.endswith("linear_1")]
+    h = model.l1(x).detach()
+    e = torch.ones(4, 3, dtype=torch.float64)
+    back = (e @ B) * (h > 0)
+    assert rel_error(model.l2.weight.grad, e.T @ h.relu()) <= 1e-12
+    assert rel_error(model.l1.weight.grad, back.T @ x) <= 1e-12
+    assert rel_error(model.l1.bias.grad, back.sum(0)) <= 1e-12
     start = copy.deepcopy(model)
     gen = _gen()
     batches = [(torch.randn(4, 4, generator=gen, dtype=torch.float64), {},
                 torch.randint(0, 3, (4,), generator=gen)) for _ in range(3)]
-    ours, theirs, _ = _train_both(model, batches, F.cross_entropy, convert={"routes": "export"})
+    ours, theirs, _ = _train_both(model, batches, F.cross_entropy, convert={"routes": routes})
     _assert_bit_equal(ours, theirs, start)
 
 

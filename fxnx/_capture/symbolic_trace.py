@@ -73,7 +73,53 @@ def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool)
         )
     if fixed:
         _drop_placeholders(gm)
+    _follow_writes(gm)
     return RouteResult(gm, opaque=tuple(opaque), shape_specialised=evaluated, varies=varies)
+
+
+#: Augmented assignments, which torch.fx records as calls of these (``h += y``).
+_AUGMENTED = frozenset((
+    operator.iadd, operator.iand, operator.ifloordiv, operator.ilshift, operator.imatmul,
+    operator.imod, operator.imul, operator.ior, operator.ipow, operator.irshift, operator.isub,
+    operator.itruediv, operator.ixor,
+))
+
+
+def _follow_writes(gm: fx.GraphModule) -> None:
+    """Later readers of a value written in place read the write's node instead.
+
+    A trace records ``h.relu_()`` whose result is dropped, then ``l2(h)``, as ``l2`` reading
+    ``h``'s node: the graph would show ``relu_`` leading nowhere and ``l2`` reading the value
+    before the write, though ``l2`` reads the written one. An in-place call returns the very
+    tensor it wrote into (a tensor's ``_`` methods, ``inplace=True``, ``h += y``), so each use
+    of that value after the write becomes a use of the write's node: the same tensor at run
+    time, and the edge the dataflow has. Parameters and buffers (``get_attr``) are left as
+    they are."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    changed = False
+    for node in list(gm.graph.nodes):
+        first = node.args[0] if node.args else None
+        if not isinstance(first, fx.Node) or first.op == "get_attr" or not _returns_written(gm, node):
+            continue
+        later = [user for user in first.users if order[user] > order[node]]
+        for user in later:
+            user.replace_input_with(first, node)
+        changed = changed or bool(later)
+    if changed:
+        gm.recompile()
+
+
+def _returns_written(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument in place and returns it."""
+    target = node.target
+    if node.op == "call_method":
+        return isinstance(target, str) and target.endswith("_") and not target.startswith("__") \
+            and hasattr(torch.Tensor, target)
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(str(target)), "inplace", None) is True
+    if node.op == "call_function":
+        return target in _AUGMENTED or node.kwargs.get("inplace") is True
+    return False
 
 
 def _trace(
