@@ -1309,6 +1309,48 @@ def test_a_forward_hook_a_graph_run_does_not_call_is_named_where_it_routes():
     assert seen == {"blk": 0, "blk.l": 1}
 
 
+class _ReturnsModelOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        h = torch.tanh(self.a(x))
+        return SequenceClassifierOutput(logits=self.b(h), hidden_states=(h,))
+
+
+@pytest.mark.parametrize("how", ["feedback_alignment", "node_credit", "route_credit"])
+def test_a_model_output_a_trace_records_as_a_dict_comes_back_as_the_models_type(how):
+    """A model of one's own returning a Hugging Face ``ModelOutput``: symbolic tracing
+    records it as a plain dict, so the router returned a dict wherever it ran the graph
+    (``out.logits`` raised AttributeError), where the model and the plain router return the
+    ``ModelOutput``. The model's type now comes back, holding the graph's tensors; credit
+    through ``.logits`` is autograd's under rule='exact'."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, x = _ReturnsModelOutput().double(), torch.randn(2, 4, dtype=F64)
+    G = fxnx.convert(model, x)
+    assert G.graph["capture"] == "symbolic_trace"
+    want = model(x)
+    want.logits.pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    if how == "route_credit":
+        res = fxnx.route_credit(G, model, x, output_credit={"logits": 2 * want.logits.detach(), "hidden_states": (None,)})
+        out = res.output
+        assert all(rel_error(res.param_credit[n], g) <= 1e-12 for (n, _), g in zip(model.named_parameters(), grads, strict=True))
+    else:
+        router = fxnx.CreditRouter(G, model, rule="exact" if how == "node_credit" else how, node_credit=how == "node_credit")
+        out = router(x)
+        out.logits.pow(2).sum().backward()
+        if how == "node_credit":
+            assert all(rel_error(p.grad, g) <= 1e-12 for p, g in zip(model.parameters(), grads, strict=True))
+    assert type(out) is type(want) and list(out) == list(want)
+    assert torch.equal(out.logits, want.logits) and torch.equal(out.hidden_states[0], want.hidden_states[0])
+
+
 def test_a_first_run_that_fails_its_check_is_checked_again_at_the_next_call(monkeypatch):
     """A router's first run of a graft is checked against the captured graph's output once.
     Where that check failed (or the run raised before it), the graft stayed, its check spent

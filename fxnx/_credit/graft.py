@@ -76,6 +76,8 @@ class Graft:
     plain: bool = False
     #: (node, input) for each write a node makes into an input of the model, in place
     writes_inputs: tuple[tuple[str, str], ...] = ()
+    #: the type the model returns where the graph returns a plain dict (a ModelOutput)
+    rebuild: type | None = None
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[Any, Any, Any]:
         """Run the graph: (the model's result, the graph's output, node values or None)."""
@@ -88,6 +90,8 @@ class Graft:
         result = self.plan.gm.graph.process_outputs(output)
         if self.expect is not None:
             self._check(result)
+        if self.rebuild is not None:  # a ModelOutput the trace made a dict
+            result = self.rebuild(**result)
         return result, output, nodes
 
     def _check(self, result: Any) -> None:

@@ -74,7 +74,9 @@ _RESULT = "\0result"  # the model's output among the values whose credit backwar
 #: Where on G the captures checked against the model are noted (capture id -> weak reference).
 _CHECKED = "_fxnx_checked"
 _SAME_BACKWARD = "_fxnx_same_backward"  # captures whose autograd was found the model's
-_HOOKED = "_fxnx_hooked"  # captures to the refusal of the tensor hooks their model's forward registers
+#: captures to what a run of their model showed: the refusal of the tensor hooks its forward
+#: registers (or None), and the type of its output where the graph's is a plain dict
+_EAGER = "_fxnx_eager"
 _NOT_RUN = object()
 
 
@@ -219,7 +221,7 @@ class CreditRouter(nn.Module):
             self.model = model
         else:  # a plain callable: not a submodule
             object.__setattr__(self, "model", model)
-        self.G = snapshot(G, _CHECKED, _SAME_BACKWARD, _HOOKED)
+        self.G = snapshot(G, _CHECKED, _SAME_BACKWARD, _EAGER)
         self.seed = seed
         self.node_credit = bool(node_credit)
         self._given = dict(feedback or {})
@@ -559,9 +561,11 @@ class CreditRouter(nn.Module):
             # (a graph that follows the example's values is compared at every call, below)
             seen = self._probe(plan, cap, inputs, kwargs, compare=not cap.reads_values)
             run = graft(plan, seed=self.seed, collect=collect, probe=seen)
-            hooked = kept_on(self.G, _HOOKED).get(id(cap.gm))
-            if not run.plain and hooked is not None and hooked[0]() is cap.gm and hooked[1] is not None:
-                raise hooked[1]
+            eager = kept_on(self.G, _EAGER).get(id(cap.gm))
+            if not run.plain and eager is not None and eager[0]() is cap.gm:
+                if eager[1] is not None:
+                    raise eager[1]
+                run.rebuild = eager[2]
             run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
         if cap.reads_values and not run.plain:  # its branches may not be these inputs'
@@ -646,7 +650,9 @@ class CreditRouter(nn.Module):
                 eager = run_model()
         except Exception:  # the graph runs where the model does not: nothing to compare
             eager = _NOT_RUN
-        kept_on(self.G, _HOOKED)[id(cap.gm)] = (weakref.ref(cap.gm), spy.refusal(qualname(model)))
+        kept_on(self.G, _EAGER)[id(cap.gm)] = (
+            weakref.ref(cap.gm), spy.refusal(qualname(model)), None if eager is _NOT_RUN else rebuilt_as(seen.output, eager),
+        )
         if eager is _NOT_RUN:
             return seen
         problem = differs(seen.output, eager)
@@ -853,6 +859,18 @@ def rules_used(plan: Plan, node_credit: Mapping[str, Any] | None) -> dict[str, s
         if (e.rule is not None or e.call.op == "output")
         and (not node_credit or node_credit.get(e.call.name) is not None)
     }
+
+
+def rebuilt_as(output: Any, eager: Any) -> type | None:
+    """The type of the model's own output ``eager`` where the graph's ``output`` is a plain
+    dict of the same keys, in order, and ``eager`` a dict of another type (a Hugging Face
+    ``ModelOutput`` a symbolic trace records as a dict): the router returns that type, as
+    the model does. None where the graph's output is the model's structure."""
+    if type(output) is not dict or not isinstance(eager, dict) or type(eager) is dict:
+        return None
+    if list(output) != list(eager) or not all(isinstance(k, str) for k in output):
+        return None
+    return type(eager)
 
 
 def graph_credit(result: Any, output: Any, flat: list[Any]) -> Any:
