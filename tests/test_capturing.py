@@ -337,3 +337,42 @@ def test_a_value_written_in_place_is_read_from_the_write(kind, edges, paths):
     got = cap.gm(x.clone())
     model.seen.zero_()
     assert torch.equal(got, model(x.clone()))
+
+
+class _AutocastInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.l(x)
+        return self.l2(h.float()) + h
+
+
+def test_autocast_in_the_forward_is_captured_by_a_route_that_records_it():
+    """Symbolic tracing drops a ``torch.autocast`` block of the forward: G said float32 where
+    the model computes bfloat16 (edge bytes doubled), and the graph ran the block in float32.
+    Such a trace fails now, naming the node, and the next route (torch.export) records the
+    block. Oracle: a forward hook's dtype, the model's output, autograd's gradients."""
+    torch.manual_seed(0)
+    model, x = _AutocastInside(), torch.randn(3, 4)
+    dtypes = []
+    handle = model.l.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    model(x)
+    handle.remove()
+    G = fxnx.convert(model, x)
+    assert G.graph["capture"] == "export"
+    assert "torch.autocast" in G.graph["capture_failures"]["symbolic_trace"]
+    # the block is one node (torch.export's wrap_with_autocast), its result taken out by getitem
+    assert dtypes == [torch.bfloat16] and G.nodes["getitem"]["out_dtype"] == "torch.bfloat16"
+    assert G.nodes["linear_1"]["out_dtype"] == "torch.float32"
+    res = fxnx.route_credit(G, model, x)
+    out = model(x)
+    out.sum().backward()
+    assert torch.equal(res.output, out.detach())
+    assert all(torch.equal(res.param_credit[n], p.grad) for n, p in model.named_parameters())
+    # autocast around the conversion is the caller's: symbolic tracing records under it
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        G2 = fxnx.convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), x)
+    assert G2.graph["capture"] == "symbolic_trace" and G2.nodes["_0"]["out_dtype"] == "torch.bfloat16"

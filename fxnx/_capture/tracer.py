@@ -111,6 +111,17 @@ class _Attribute(_Answering, fx.proxy.Attribute):
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
 
 
+class AutocastInForward(Exception):
+    """The forward enters or leaves ``torch.autocast``, which a symbolic trace drops."""
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    """Whether autocast is on, and in which dtype, on the CPU and on CUDA."""
+    return tuple(
+        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+    )
+
+
 class Tracer(fx.Tracer):
     """torch.fx's tracer with fxnx's leaf rule and checks answered inside torch.nn composites.
 
@@ -138,6 +149,7 @@ class Tracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._tensor_names = None  # the root's parameters and buffers, named afresh per trace
+        self._autocast = _autocast_state()
         # Gradients on, so that a node made with them off is the model's doing; a custom
         # autograd Function one node, which keeps its backward (:mod:`.functions`).
         with torch.enable_grad(), kept_whole(self):
@@ -150,6 +162,11 @@ class Tracer(fx.Tracer):
             # Under torch.no_grad() (or inference_mode) in the model's forward, which the graph
             # does not record: credit runs replay it (NO_GRAD).
             node.meta[NO_GRAD] = True
+        if kind.startswith("call_") and _autocast_state() != self._autocast:
+            raise AutocastInForward(
+                f"{node.name!r} is called inside a torch.autocast block of the forward, which "
+                "symbolic tracing does not record: the graph would run it in another precision"
+            )
         return node
 
     # torch.fx patches nn.Module's __call__ and __getattr__ for every thread while it traces;
