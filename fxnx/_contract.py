@@ -284,6 +284,8 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
                                  skip=_str_list, residual=_str_list,
                                  kind=_enum("identity", "projection", "parallel")),
     "kernel or None": _kernel,
+    "tied parameters": _mapping(lambda v: _record({"same_as": _scalar(str), "numel": _count,
+                                                  "trainable": _scalar(bool)}, v)),
 }
 
 #: When an attribute is present, in the words docs/graph.md uses.
@@ -298,6 +300,7 @@ PRESENCE = {
     "opaque": "when a submodule was kept whole",
     "route_credit": "after route_credit",
     "module": "when the model is an nn.Module",
+    "tied": "when the model reaches a parameter under several names",
 }
 
 GRAPH_ATTRIBUTES = (
@@ -329,6 +332,10 @@ GRAPH_ATTRIBUTES = (
     Attribute("num_params", "int >= 0", "always", "parameters of the model"),
     Attribute("trainable_params", "int >= 0", "costs",
               "parameters of the model that train (requires_grad); the rest are frozen"),
+    Attribute("tied_parameters", "tied parameters", "tied",
+              "each name of a parameter the model reaches under several names (tied weights), "
+              "but the first, to {same_as: the first name, numel, trainable}: a module that "
+              "holds it under both counts it once"),
     Attribute("flops", "int >= 0 or None", "costs",
               "FLOPs of all nodes, forward and (joint graphs) backward, as FlopCounterMode "
               "counts them; None without shapes or if any node's is None"),
@@ -570,6 +577,7 @@ def _describe(kind: str) -> str:
         "plain dict": "a dict of plain data",
         "inputs": "a list of {name, shape, dtype} dicts",
         "primals": "a dict of {kind, name} dicts",
+        "tied parameters": "a dict of {same_as, numel, trainable} dicts",
         "skip connections": "a list of {merge, fork, skip, residual, kind} dicts",
         "kernel or None": "None or a {kernel_size, stride, padding, dilation, groups, "
                           "transposed} dict",

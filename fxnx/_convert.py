@@ -218,6 +218,9 @@ def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None)
     )
     if isinstance(cap.model, nn.Module):
         G.graph["training"] = cap.model.training
+        tied = _tied(cap.model)
+        if tied:
+            G.graph["tied_parameters"] = tied
     if cap.opaque:  # an empty list breaks torch_geometric's from_networkx: written only when any
         G.graph["opaque_modules"] = list(cap.opaque)
     if cap.fixed_kwargs:
@@ -313,6 +316,19 @@ def _num_params(
         if isinstance(value, nn.Parameter):
             return value.numel(), value.numel() if value.requires_grad else 0
     return 0, 0
+
+
+def _tied(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Each name of a parameter the model reaches under several, but the first, to the first
+    (``same_as``), its size and whether it trains."""
+    first: dict[int, str] = {}
+    tied: dict[str, dict[str, Any]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = {"same_as": first[id(p)], "numel": p.numel(), "trainable": p.requires_grad}
+        else:
+            first[id(p)] = name
+    return tied
 
 
 def _trainable(model: Any) -> set[str]:

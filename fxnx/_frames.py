@@ -31,8 +31,9 @@ def module_costs(G: nx.MultiDiGraph, depth: int | None = None) -> list[dict[str,
 
     A node counts towards the module it belongs to and every module around it: a
     ``call_module`` node to the module it calls, any other node to its ``scope``.
-    Parameters count once per owner (a module called twice owns its parameters once);
-    for ATen graphs the owner of a parameter is the module its name is in.
+    Parameters count once per owner (a module called twice owns its parameters once), and
+    a parameter tied between two owners once in each module around both; for ATen graphs
+    the owner of a parameter is the module its name is in.
 
     Parameters
     ----------
@@ -65,9 +66,11 @@ def module_costs(G: nx.MultiDiGraph, depth: int | None = None) -> list[dict[str,
     for _, data in G.nodes(data=True):
         for key in ("flops", "macs"):
             _add(rows, _home(data), key, data.get(key))
-    for path, (params, trainable) in _owners(G).items():
+    owners = _owners(G)
+    for path, (params, trainable) in owners.items():
         _add(rows, path, "params", params)
         _add(rows, path, "trainable_params", trainable)
+    _count_tied_once(G, rows, owners)
     if "flops" not in G.graph:  # made before costs were recorded
         for row in rows.values():
             row["flops"] = row["macs"] = row["trainable_params"] = None
@@ -242,6 +245,25 @@ def _add(rows: dict[str, dict[str, Any]], path: str, key: str, value: int | None
         row = rows.get(outer)
         if row is not None:
             row[key] = None if value is None or row[key] is None else row[key] + value
+
+
+def _count_tied_once(G: nx.MultiDiGraph, rows: dict[str, dict[str, Any]], owners: dict[str, Any]) -> None:
+    """A parameter two owners hold under two names (tied weights: an embedding and the output
+    layer) counts once in each module around both (``G.graph["tied_parameters"]``)."""
+    for alias, tied in G.graph.get("tied_parameters", {}).items():
+        held = [next((p for p in _ancestors(name.rpartition(".")[0]) if p in owners), None)
+                for name in (alias, tied["same_as"])]
+        if None in held or held[0] == held[1]:
+            continue  # one owner (a module kept whole) counted it once already
+        shared = set(_ancestors(held[0])) & set(_ancestors(held[1]))  # type: ignore[arg-type]
+        for path in shared:
+            row = rows.get(path)
+            if row is None:
+                continue
+            if row["params"] is not None:
+                row["params"] -= tied["numel"]
+            if tied["trainable"] and row["trainable_params"] is not None:
+                row["trainable_params"] -= tied["numel"]
 
 
 def _owners(G: nx.MultiDiGraph) -> dict[str, tuple[int, int | None]]:

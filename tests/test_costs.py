@@ -380,3 +380,46 @@ def test_costs_are_plain_data_and_on_every_node(torchvision_model):
         assert {"flops", "macs", "trainable_params", "kernel"} <= set(data)
     assert nx.is_directed_acyclic_graph(G)
     fxnx.validate(G)
+
+
+class _TiedHead(nn.Module):
+    """An embedding and an output layer sharing one weight, inside a block of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.ModuleDict({"e": nn.Embedding(50, 8), "mid": nn.Linear(8, 8)})
+        self.h = nn.Linear(8, 50, bias=False)
+        self.h.weight = self.body["e"].weight
+
+    def forward(self, x):
+        return self.h(torch.tanh(self.body["mid"](self.body["e"](x))))
+
+
+@pytest.mark.parametrize("routes", ["symbolic_trace", "export"])
+def test_a_tied_weight_counts_once_in_every_module_around_both_owners(routes):
+    """Tied weights (an embedding and the output layer): each module row summed its owners'
+    parameters, so the model's row counted the shared weight twice (800 for 400 on a tied
+    embedding; GPT-2's root row 32,896 for 29,696), disagreeing with the table's own total.
+    G records the tie (``tied_parameters``) and each row counts it once. Oracle: torch's own
+    ``module.parameters()``, which counts a tensor once, for every module of the table."""
+    torch.manual_seed(0)
+    model, x = _TiedHead(), torch.randint(0, 50, (2, 5))
+    model.body["mid"].weight.requires_grad_(False)
+    G = fxnx.convert(model, x, routes=routes)
+    assert G.graph["tied_parameters"] == {"h.weight": {"same_as": "body.e.weight", "numel": 400, "trainable": True}}
+    fxnx.validate(G)
+    for row in module_costs(G):
+        params = list(model.get_submodule(row["module"]).parameters())
+        assert row["params"] == sum(p.numel() for p in params), row["module"]
+        assert row["trainable_params"] == sum(p.numel() for p in params if p.requires_grad), row["module"]
+    assert module_costs(G)[0]["params"] == G.graph["num_params"] == 400 + 72
+
+
+def test_gpt2s_tied_head_counts_once():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    G = fxnx.convert(model, torch.randint(0, 100, (2, 8)))
+    rows = {row["module"]: row["params"] for row in module_costs(G, depth=1)}
+    assert rows == {path: sum(p.numel() for p in model.get_submodule(path).parameters()) for path in rows}
+    assert rows[""] == G.graph["num_params"]
