@@ -354,9 +354,11 @@ def skip_connections(
                 v == u or v in _between(flow, u, v, order) for v in inputs)), _ROOT)
             if fork == _ROOT:
                 continue
-        # Shortest first; of equal lengths, the one that only carries or projects the fork.
+        # One that carries the fork's value unchanged first (an nn.Identity, x.float(), a
+        # reshape: the skip however the sum is written); then the shortest, and of equal
+        # lengths one that projects the fork.
         branches = sorted((_between(flow, fork, u, order) for u in inputs),
-                          key=lambda b: (len(b), _carries(G, b) + _projection(G, b) != 1))
+                          key=lambda b: (not _carries(G, b), len(b), not _projection(G, b)))
         kind = _kind(G, flow, merge, branches)
         if kind not in wanted:
             continue

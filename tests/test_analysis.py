@@ -211,3 +211,33 @@ def test_summary_only_reads_g():
     before = copy.deepcopy((G.graph, list(G.nodes(data=True)), list(G.edges(keys=True, data=True))))
     assert fxnx.summary(G)["skip_connections"] == 2
     assert (G.graph, list(G.nodes(data=True)), list(G.edges(keys=True, data=True))) == before
+
+
+class _SkipWrittenAnyWay(nn.Module):
+    def __init__(self, how: int) -> None:
+        super().__init__()
+        self.f, self.id, self.how = nn.Linear(4, 4), nn.Identity(), how
+
+    def forward(self, x):
+        if self.how == 0:
+            return self.f(x) + self.id(x)
+        if self.how == 1:
+            kept = self.id(x)
+            return self.f(x) + kept
+        if self.how == 2:
+            return self.f(x) + x.float()
+        return self.f(x) + x.contiguous().reshape(3, 4)
+
+
+@pytest.mark.parametrize("how", range(4))
+def test_the_identity_branch_is_the_skip_however_the_sum_is_written(how):
+    """``f(x) + id(x)`` with ``id`` an ``nn.Identity`` (or a cast, or a reshape): a linear
+    layer and the identity made branches of equal length, and graph order picked the skip, so
+    written one way the residual was missed ("parallel", no skip drawn, paths {0: 2}) and the
+    other way found. Oracle by hand: the identity is the skip, the layer the residual branch,
+    one path through no residual branch and one through it."""
+    G = fxnx.convert(_SkipWrittenAnyWay(how), torch.randn(3, 4))
+    (skip,) = fxnx.skip_connections(G)
+    assert skip.kind == "identity" and skip.residual == ("f",)
+    assert all(G.nodes[n]["op"] != "call_module" or n.startswith("id") for n in skip.skip)
+    assert fxnx.path_length_counts(G) == {0: 1, 1: 1}
