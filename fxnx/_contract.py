@@ -301,6 +301,7 @@ PRESENCE = {
     "route_credit": "after route_credit",
     "module": "when the model is an nn.Module",
     "tied": "when the model reaches a parameter under several names",
+    "writes_input": "when the module it calls writes into its input in place",
 }
 
 GRAPH_ATTRIBUTES = (
@@ -390,6 +391,9 @@ NODE_ATTRIBUTES = (
               "the call's arguments bound to the callee's parameter names, defaults filled in"),
     Attribute("phase", "phase", "always", "forward or backward (joint graphs)"),
     Attribute("opaque", "bool", "always", "a submodule kept whole because tracing failed in it"),
+    Attribute("writes_input", "bool", "writes_input",
+              "True: the module a call_module node calls writes into its input in place "
+              "(nn.ReLU(inplace=True)) and returns it"),
     Attribute("branch_role", "branch role or None", "skip_connections",
               "fork, merge, skip or residual: the node's part in the innermost skip connection; "
               "branch on the branches of a parallel one"),

@@ -186,6 +186,8 @@ def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None)
             phase=node.meta.get("fxnx_phase", "forward"),
             opaque=node.op == "call_module" and node.target in opaque,
         )
+        if getattr(module, "inplace", None) is True:
+            G.nodes[node.name]["writes_input"] = True
         for arg, source in occurrences(node, names):
             shape, dtype, nbytes = described[source]
             if isinstance(shape, (list, dict)):  # nested: each edge gets lists of its own

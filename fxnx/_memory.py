@@ -37,11 +37,12 @@ is live until that read, gradients (of parameters too) are storages the
 backward pass makes, ``peak_bytes`` is the step's peak and ``saved_bytes`` what
 the forward pass keeps for the backward pass.
 
-Module-level graphs do not show everything: ``nn.ReLU(inplace=True)`` is a
-``call_module`` node whose in-place flag the graph does not record, and
-``out += x`` in a module's code is traced as ``operator.add``; both count as a
-new storage (one tensor too many at that step, which is rarely the peak). A
-``level="aten"`` graph records them as ``relu_`` and ``add_``.
+Module-level graphs do not show everything: ``out += x`` in a module's code is
+traced as ``operator.add`` and counts as a new storage (one tensor too many at
+that step). A ``level="aten"`` graph records it as ``add_``. A module that
+writes into its input (``nn.ReLU(inplace=True)``) is marked ``writes_input``,
+and shares its input's storage; a graph converted before that mark counts it as
+a new storage.
 """
 
 from __future__ import annotations
@@ -371,8 +372,8 @@ def _storage_source(G: nx.MultiDiGraph, node: str, strided: set[str]) -> str | N
     info = data.get("node_call_info") or {}
     if target == "operator.getitem":
         return None if _indexes_with_tensor(G, node) else first
-    if info.get("inplace") is True or target in _IN_PLACE_OPERATORS:
-        return first  # F.relu(x, inplace=True), x += y
+    if info.get("inplace") is True or data.get("writes_input") is True or target in _IN_PLACE_OPERATORS:
+        return first  # F.relu(x, inplace=True), nn.ReLU(inplace=True), x += y
     if name is not None and name.endswith("_") and not name.startswith("__"):
         return first  # relu_, add_, copy_: written in place
     out = _input_at(G, node, "out")

@@ -231,6 +231,17 @@ class InPlace(nn.Module):
         return F.relu(y, inplace=True).sum()
 
 
+class InPlaceModules(nn.Module):
+    """Modules that write into their input (its values the peak): they share its storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.act, self.clip, self.drop = nn.ReLU(inplace=True), nn.Hardtanh(inplace=True), nn.Dropout(0.0, inplace=True)
+
+    def forward(self, x):
+        return self.drop(self.clip(self.act(x * 2))).sum()
+
+
 class AugmentedAssignment(nn.Module):
     def forward(self, x):  # torch.fx traces += as operator.add (a new tensor); ATen as add_
         y = x * 2
@@ -299,6 +310,7 @@ EDGE_CASES = {
     "reshape_of_transposed": (ReshapeOfTransposed, _one(16, 32)),
     "reshape_of_contiguous": (ReshapeOfContiguous, _one(16, 32)),
     "in_place": (InPlace, _one(16, 32)),
+    "in_place_modules": (lambda: InPlaceModules().eval(), _one(16, 32)),
     "augmented_assignment": (AugmentedAssignment, _one(16, 32)),
     "hand_built_iadd": (hand_built_iadd, _one(16, 32)),
     "chunk_then_multiply": (ChunkThenMultiply, _one(16, 32)),
