@@ -1260,6 +1260,35 @@ def test_a_hook_the_forward_registers_on_a_tensor_is_refused_where_the_graph_rou
     assert all(p.grad is None for p in net.parameters())
 
 
+class _RetainsGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h.retain_grad()
+        self.feature = h
+        return self.b(h)
+
+
+def test_a_forward_retaining_a_tensors_grad_converts_and_is_refused_where_the_graph_routes():
+    """``h.retain_grad()`` in ``forward``: conversion failed outright ("can't retain_grad on
+    Tensor that has requires_grad=False", from shape propagation, the model itself judged to
+    fail as it ran without gradients) with advice about input shapes. It converts now (through
+    torch.export); the router that runs the model keeps ``feature.grad``, equal to autograd's,
+    and a run of the graph, which would leave it unset, is refused."""
+    torch.manual_seed(0)
+    net, x = _RetainsGrad().double(), torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(net, x)
+    net(x).sum().backward()
+    want = net.feature.grad.clone()
+    fxnx.CreditRouter(G, net)(x).sum().backward()
+    assert torch.equal(net.feature.grad, want)
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"Tensor.retain_grad\(\), whose .grad a run of the graph would leave unset"):
+        fxnx.CreditRouter(G, net, rule="feedback_alignment")(x)
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -463,11 +463,12 @@ def _not_one_graph(model: Any, route: str, err: Exception) -> str:
 
 
 def _model_runs(model: Any, inputs: Inputs | None, fake: bool) -> bool:
-    """Whether the model itself runs on the example inputs (nothing it changes is kept)."""
+    """Whether the model itself runs on the example inputs (nothing it changes is kept), with
+    gradients on, as it runs when called (a forward calling ``h.retain_grad()`` fails without)."""
     if inputs is None or fake:
         return True  # cannot tell without running real values: try the next route
     try:
-        with torch.no_grad(), preserved(model):
+        with torch.enable_grad(), preserved(model):
             model(*inputs.args, **inputs.kwargs)
     except Exception:
         return False

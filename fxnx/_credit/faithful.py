@@ -284,9 +284,9 @@ def warn_traced_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
 
 class TensorHooks(TorchFunctionMode):
     """Records the hooks a run of the model registers on tensors other than leaves that take
-    gradients (``h.register_hook(fn)`` in ``forward``): no captured graph holds them (a
-    symbolic trace fails on them, ``torch.export`` drops them), so a credit run over the graph
-    would route without them. Each hook is recorded before it is registered, so a run without
+    gradients (``h.register_hook(fn)`` or ``h.retain_grad()`` in ``forward``): no captured
+    graph holds them (``torch.export`` drops them), so a credit run over the graph would
+    route without them. Each hook is recorded before it is registered, so a run without
     gradients (where registering fails) still shows it."""
 
     def __init__(self) -> None:
@@ -294,8 +294,8 @@ class TensorHooks(TorchFunctionMode):
         self.hooks: list[Any] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is Tensor.register_hook and args and not (args[0].is_leaf and args[0].requires_grad):
-            self.hooks.append(args[1] if len(args) > 1 else (kwargs or {}).get("hook"))
+        if func in (Tensor.register_hook, Tensor.retain_grad) and args and not (args[0].is_leaf and args[0].requires_grad):
+            self.hooks.append(args[1] if len(args) > 1 else (kwargs or {}).get("hook", func))
         return func(*args, **(kwargs or {}))
 
     def refusal(self, model: str) -> FxnxValueError | None:
@@ -303,11 +303,14 @@ class TensorHooks(TorchFunctionMode):
         if not self.hooks:
             return None
         hook = self.hooks[0]
-        name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+        if hook is Tensor.retain_grad:
+            call = "Tensor.retain_grad(), whose .grad a run of the graph would leave unset"
+        else:
+            call = f"Tensor.register_hook({getattr(hook, '__qualname__', None) or type(hook).__qualname__})"
         return FxnxValueError(
-            f"the forward of {model} registers a hook on a tensor it computes "
-            f"(Tensor.register_hook({name})), which the captured graph does not hold, so "
-            "credit routed over the graph would leave the hook out. Register it as a module's "
-            "hook (register_full_backward_hook) or on a parameter, or route with rule='exact' "
-            "and node_credit=False, whose forward is the model's own"
+            f"the forward of {model} registers a hook on a tensor it computes ({call}), which "
+            "the captured graph does not hold, so credit routed over the graph would leave the "
+            "hook out. Register it as a module's hook (register_full_backward_hook) or on a "
+            "parameter, or route with rule='exact', no edge removed and node_credit=False, "
+            "whose forward is the model's own"
         )
