@@ -280,8 +280,11 @@ def _owners(G: nx.MultiDiGraph) -> dict[str, tuple[int, int | None]]:
             owned["attr", data["target"]] = (data["target"].rpartition(".")[0], *counts)
         elif name in primals:
             owned["primal", name] = (primals[name]["name"].rpartition(".")[0], *counts)
+    called = {target for kind, target in owned if kind == "module"}
     totals: dict[str, tuple[int, int | None]] = {}
-    for path, params, trainable in owned.values():
+    for (kind, _), (path, params, trainable) in owned.items():
+        if kind != "module" and any(outer in called for outer in _ancestors(path)):
+            continue  # a weight of a module the graph also calls (h @ emb.weight.T): counted there
         before = totals.get(path, (0, 0))
         totals[path] = (before[0] + params,
                         None if trainable is None or before[1] is None else before[1] + trainable)

@@ -304,6 +304,9 @@ class _WriteDropped(nn.Module):
         if self.kind == "module":  # nn.ReLU(inplace=True), its result dropped
             self.act(h)
             return self.l2(h)
+        if self.kind == "function":  # torch.relu_, its result dropped
+            torch.relu_(h)
+            return self.l2(h)
         self.seen.add_(1)  # a buffer written in place: read as it is
         h.relu_()
         return self.l2(h) + self.seen
@@ -312,6 +315,7 @@ class _WriteDropped(nn.Module):
 @pytest.mark.parametrize(("kind", "edges", "paths"), [
     ("add_", {("add_", "mul"), ("tanh", "add_"), ("l", "add_")}, 2),
     ("module", {("l", "act"), ("act", "l2")}, 1),
+    ("function", {("l", "relu_"), ("relu_", "l2")}, 1),
     ("method", {("l", "relu_"), ("relu_", "l2")}, 1),
 ])
 def test_a_value_written_in_place_is_read_from_the_write(kind, edges, paths):

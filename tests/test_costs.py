@@ -423,3 +423,23 @@ def test_gpt2s_tied_head_counts_once():
     rows = {row["module"]: row["params"] for row in module_costs(G, depth=1)}
     assert rows == {path: sum(p.numel() for p in model.get_submodule(path).parameters()) for path in rows}
     assert rows[""] == G.graph["num_params"]
+
+
+class _WeightReadAgain(nn.Module):
+    """An embedding called whole whose weight the output reads again (``h @ emb.weight.T``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.l = nn.Embedding(10, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l(self.emb(x)) @ self.emb.weight.T
+
+
+def test_a_weight_of_a_module_the_graph_calls_counts_once_where_it_is_read_again():
+    """The embedding's node and the ``get_attr`` of its weight each counted the weight for
+    the module (the model's row 100 for 60). Oracle: ``module.parameters()`` for every row."""
+    model = _WeightReadAgain()
+    G = fxnx.convert(model, torch.randint(0, 10, (2, 3)))
+    for row in module_costs(G):
+        assert row["params"] == sum(p.numel() for p in model.get_submodule(row["module"]).parameters()), row["module"]

@@ -635,6 +635,9 @@ def test_a_global_the_forward_reads_is_not_baked_into_a_reused_capture(monkeypat
 _CONFIG = {"scale": 2.0}
 _SCALES = [2.0]
 _SETTINGS = __import__("types").SimpleNamespace(scale=2.0)
+_ARGS = __import__("argparse").Namespace(scale=2.0)
+_CFG = __import__("types").ModuleType("a_config_module")
+_CFG.SCALE = 2.0
 
 
 class _ReadsGlobals(nn.Module):
@@ -649,12 +652,16 @@ class _ReadsGlobals(nn.Module):
             h = h * _CONFIG["scale"]
         elif self.kind == "list":
             h = h * _SCALES[0]
+        elif self.kind == "args":
+            h = h * _ARGS.scale
+        elif self.kind == "module":
+            h = h * _CFG.SCALE
         else:
             h = h * _SETTINGS.scale
         return self.b(h)
 
 
-@pytest.mark.parametrize("kind", ["dict", "list", "namespace"])
+@pytest.mark.parametrize("kind", ["dict", "list", "namespace", "args", "module"])
 def test_a_global_changed_in_place_is_not_baked_into_a_reused_capture(kind):
     """A trace bakes ``_CONFIG["scale"]`` in as a constant. Globals were compared by identity,
     so one changed in place (a dict's item, a list's, a namespace's attribute) left the
@@ -666,14 +673,22 @@ def test_a_global_changed_in_place_is_not_baked_into_a_reused_capture(kind):
     router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
     router(x)
     fxnx.route_credit(G, model, x, rule="exact")
-    _CONFIG["scale"] = _SCALES[0] = _SETTINGS.scale = 3.0
+    def set_to(value):  # only the global this kind reads: the others would show a change
+        if kind == "dict":
+            _CONFIG["scale"] = value
+        elif kind == "list":
+            _SCALES[0] = value
+        else:
+            setattr(*{"namespace": (_SETTINGS, "scale"), "args": (_ARGS, "scale"), "module": (_CFG, "SCALE")}[kind], value)
+
+    set_to(3.0)
     try:
         want = model(x)
         assert torch.equal(router(x), want)
         want.sum().backward()
         got = fxnx.route_credit(G, model, x, rule="exact")
     finally:
-        _CONFIG["scale"] = _SCALES[0] = _SETTINGS.scale = 2.0
+        set_to(2.0)
     assert torch.equal(got.output, want.detach())
     assert rel_error(got.param_credit["a.weight"], model.a.weight.grad) <= 1e-12
 
@@ -1224,25 +1239,30 @@ def test_direct_feedback_alignment_under_functional_call_routes_the_tensors_give
 
 
 class _HookInForward(nn.Module):
-    def __init__(self):
+    def __init__(self, guarded=False):
         super().__init__()
         self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.guarded = guarded
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        h.register_hook(lambda g: g * 3)  # symbolic tracing fails on it; torch.export drops it
+        if h.requires_grad or not self.guarded:
+            h.register_hook(lambda g: g * 3)  # symbolic tracing fails on it; torch.export drops it
         return self.b(h)
 
 
+@pytest.mark.parametrize("guarded", [False, True])
 @pytest.mark.parametrize("how", ["feedback_alignment", "node_credit", "route_credit"])
-def test_a_hook_the_forward_registers_on_a_tensor_is_refused_where_the_graph_routes(how):
+def test_a_hook_the_forward_registers_on_a_tensor_is_refused_where_the_graph_routes(how, guarded):
     """``h.register_hook(fn)`` in ``forward``: the graph (from ``torch.export``, symbolic
     tracing fails on it) does not hold the hook, so every route over the graph left it out
     (``a.weight``'s credit 0.667 off autograd's under rule='exact' with node_credit=True and
-    under route_credit; the hook never called). Refused now, naming the hook; the router that
-    runs the model's own forward keeps it, equal to autograd."""
+    under route_credit; the hook never called). Refused now, naming the hook, at every call,
+    also where the forward registers it only when ``h.requires_grad`` (the model's run that
+    finds it runs with gradients on); the router that runs the model's own forward keeps it,
+    equal to autograd."""
     torch.manual_seed(0)
-    net = _HookInForward().double()
+    net = _HookInForward(guarded).double()
     x = torch.randn(4, 5, dtype=torch.float64)
     G = fxnx.convert(net, x)
     net(x).sum().backward()
@@ -1257,6 +1277,9 @@ def test_a_hook_the_forward_registers_on_a_tensor_is_refused_where_the_graph_rou
         else:
             router = fxnx.CreditRouter(G, net, rule="exact" if how == "node_credit" else how, node_credit=how == "node_credit")
             router(x).sum().backward()
+    if how != "route_credit":
+        with pytest.raises(fxnx.errors.FxnxValueError, match=r"registers a hook on a tensor"):
+            router(x)
     assert all(p.grad is None for p in net.parameters())
 
 

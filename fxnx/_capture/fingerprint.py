@@ -17,7 +17,9 @@ fingerprint holds every attribute of every module *by value*, all the way down:
   the model is captured again every time rather than reused on a guess;
 - the module-level globals each ``forward`` names (``SCALE`` in ``x * SCALE``, or
   ``CONFIG["scale"]``, which a trace bakes in as a constant): by value as above, so a
-  global dict, list or namespace changed in place is seen; one whose walk meets what
+  global dict, list or namespace (``argparse``'s too) changed in place is seen, and so are
+  the attributes the forward names of a module of one's own (``cfg.SCALE``); not the
+  globals of the functions the forward calls. One whose walk meets what
   cannot be compared, or more than :data:`_GLOBAL_BUDGET` values (a registry), and an
   object of a standard library class (a logger), by identity alone (rebound to another
   object is seen, changed in place is not).
@@ -28,6 +30,7 @@ to nothing.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import enum
 import functools
@@ -240,7 +243,22 @@ def _globals_read(modules: list[nn.Module], watch: Watch) -> tuple[Any, ...]:
                 value = table[name]
                 names.append((name, _global_value(value, watch, held)))
                 held.append(value)
+                if isinstance(value, types.ModuleType) and not _of_a_library(value):
+                    # a config module of one's own (cfg.SCALE): the attributes the code names
+                    read = tuple(a for a in _global_names(code) if hasattr(value, a))
+                    watch.attributes_of(value, read)
+                    names += [(f"{name}.{a}", _global_value(getattr(value, a), watch, held)) for a in read]
     return tuple(names), _Held(held)
+
+
+#: Top-level packages whose modules a forward names for their functions (torch.relu), not
+#: for settings: their attributes are not compared.
+_LIBRARIES = frozenset(("torch", "torchvision", "numpy", "transformers", "timm", "einops", "fxnx"))
+
+
+def _of_a_library(module: types.ModuleType) -> bool:
+    root = module.__name__.partition(".")[0]
+    return root in _LIBRARIES or root in sys.stdlib_module_names
 
 
 def _global_value(value: Any, watch: Watch, held: list[Any]) -> Any:
@@ -265,7 +283,7 @@ def _of_the_standard_library(value: Any) -> bool:
     """Whether ``value`` is an object of a standard library class other than a container or a
     namespace (a ``logging.Logger``, a lock): what a forward's arithmetic does not read, and
     whose walk reaches far (a logger reaches every logger)."""
-    if isinstance(value, (dict, *_CONTAINERS, types.SimpleNamespace)):
+    if isinstance(value, (dict, *_CONTAINERS, types.SimpleNamespace, argparse.Namespace)):
         return False
     return type(value).__module__.partition(".")[0] in sys.stdlib_module_names
 

@@ -77,24 +77,18 @@ def _run(model: Any, inputs: Inputs | None, options: CaptureOptions, fake: bool)
     return RouteResult(gm, opaque=tuple(opaque), shape_specialised=evaluated, varies=varies)
 
 
-#: Augmented assignments, which torch.fx records as calls of these (``h += y``).
-_AUGMENTED = frozenset((
-    operator.iadd, operator.iand, operator.ifloordiv, operator.ilshift, operator.imatmul,
-    operator.imod, operator.imul, operator.ior, operator.ipow, operator.irshift, operator.isub,
-    operator.itruediv, operator.ixor,
-))
-
-
 def _follow_writes(gm: fx.GraphModule) -> None:
     """Later readers of a value written in place read the write's node instead.
 
     A trace records ``h.relu_()`` whose result is dropped, then ``l2(h)``, as ``l2`` reading
     ``h``'s node: the graph would show ``relu_`` leading nowhere and ``l2`` reading the value
     before the write, though ``l2`` reads the written one. An in-place call returns the very
-    tensor it wrote into (a tensor's ``_`` methods, ``inplace=True``, ``h += y``), so each use
-    of that value after the write becomes a use of the write's node: the same tensor at run
-    time, and the edge the dataflow has. Parameters and buffers (``get_attr``) are left as
-    they are."""
+    tensor it wrote into (a tensor's ``_`` methods, ``torch.relu_``, ``inplace=True`` on a
+    function or a torch.nn module), so each use of that value after the write becomes a use
+    of the write's node: the same tensor at run time, and the edge the dataflow has.
+    Parameters and buffers (``get_attr``) are left as they are, and so is a write through a
+    view (``h[:, :2].mul_(3)``), whose value is not ``h``'s. (``h += y`` is traced as
+    ``h = h + y``: torch.fx's proxies have no ``__iadd__``.)"""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     changed = False
     for node in list(gm.graph.nodes):
@@ -113,13 +107,22 @@ def _returns_written(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` writes into its first argument in place and returns it."""
     target = node.target
     if node.op == "call_method":
-        return isinstance(target, str) and target.endswith("_") and not target.startswith("__") \
-            and hasattr(torch.Tensor, target)
+        return isinstance(target, str) and _in_place_name(target) and hasattr(torch.Tensor, target)
     if node.op == "call_module":
-        return getattr(gm.get_submodule(str(target)), "inplace", None) is True
+        module = gm.get_submodule(str(target))
+        return is_torch_nn(module) and getattr(module, "inplace", None) is True
     if node.op == "call_function":
-        return target in _AUGMENTED or node.kwargs.get("inplace") is True
+        name = getattr(target, "__name__", "")
+        torch_function = getattr(target, "__module__", "") or ""
+        return node.kwargs.get("inplace") is True or (
+            _in_place_name(name) and torch_function.startswith("torch"))
     return False
+
+
+def _in_place_name(name: Any) -> bool:
+    """``relu_``, ``add_``: the name of an in-place call (not ``__iadd__``, nor a private
+    ``_foreach_add_``, which returns nothing)."""
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
 
 
 def _trace(

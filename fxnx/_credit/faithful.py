@@ -298,8 +298,8 @@ class TensorHooks(TorchFunctionMode):
             self.hooks.append(args[1] if len(args) > 1 else (kwargs or {}).get("hook", func))
         return func(*args, **(kwargs or {}))
 
-    def refusal(self, model: str) -> FxnxValueError | None:
-        """The error naming the first hook recorded, or None."""
+    def refusal(self, model: str) -> str | None:
+        """The refusal naming the first hook recorded, or None."""
         if not self.hooks:
             return None
         hook = self.hooks[0]
@@ -307,7 +307,7 @@ class TensorHooks(TorchFunctionMode):
             call = "Tensor.retain_grad(), whose .grad a run of the graph would leave unset"
         else:
             call = f"Tensor.register_hook({getattr(hook, '__qualname__', None) or type(hook).__qualname__})"
-        return FxnxValueError(
+        return (
             f"the forward of {model} registers a hook on a tensor it computes ({call}), which "
             "the captured graph does not hold, so credit routed over the graph would leave the "
             "hook out. Register it as a module's hook (register_full_backward_hook) or on a "

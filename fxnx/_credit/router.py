@@ -561,15 +561,12 @@ class CreditRouter(nn.Module):
             # (a graph that follows the example's values is compared at every call, below)
             seen = self._probe(plan, cap, inputs, kwargs, compare=not cap.reads_values)
             run = graft(plan, seed=self.seed, collect=collect, probe=seen)
-            eager = kept_on(self.G, _EAGER).get(id(cap.gm))
-            if not run.plain and eager is not None and eager[0]() is cap.gm:
-                if eager[1] is not None:
-                    raise eager[1]
-                run.rebuild = eager[2]
             run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
         if cap.reads_values and not run.plain:  # its branches may not be these inputs'
             self._probe(run.plan, cap, inputs, kwargs, every_call=True)
+        if not run.plain:  # (the fast path, set below, skips this: a refusal comes back here)
+            self._as_the_model_ran(run, cap)
         if cap.unroutable and not run.plain:
             self._check_backward(run.plan, cap, inputs, kwargs)
         self._plan = run.plan
@@ -620,6 +617,16 @@ class CreditRouter(nn.Module):
             "weights in place of a layer's weights then still need them)"
         )
 
+    def _as_the_model_ran(self, run: Graft, cap: Capture) -> None:
+        """What the model's own run showed (:meth:`_probe`): refuse a tensor hook its forward
+        registers, and return the model's output type where the graph's is a plain dict."""
+        eager = kept_on(self.G, _EAGER).get(id(cap.gm))
+        if eager is None or eager[0]() is not cap.gm:
+            return
+        if eager[1] is not None:
+            raise FxnxValueError(eager[1])
+        run.rebuild = eager[2]
+
     def _forget(self, run: Graft) -> None:
         """Drop ``run``, whose first run failed: the next call makes and checks it again."""
         self._grafts = {key: kept for key, kept in self._grafts.items() if kept is not run}
@@ -645,9 +652,9 @@ class CreditRouter(nn.Module):
         if run_model is None:
             return seen
         spy = TensorHooks()
-        try:
-            with torch.no_grad(), spy:
-                eager = run_model()
+        try:  # with gradients, as the model runs when called (if h.requires_grad: h.register_hook)
+            with torch.enable_grad(), spy:
+                eager = pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, run_model())
         except Exception:  # the graph runs where the model does not: nothing to compare
             eager = _NOT_RUN
         kept_on(self.G, _EAGER)[id(cap.gm)] = (
