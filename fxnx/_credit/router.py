@@ -652,8 +652,9 @@ class CreditRouter(nn.Module):
         if run_model is None:
             return seen
         spy = TensorHooks()
-        try:  # with gradients, as the model runs when called (if h.requires_grad: h.register_hook)
-            with torch.enable_grad(), spy:
+        try:  # with gradients, as the model runs when called (if h.requires_grad: h.register_hook),
+            # saving nothing for a backward that never comes (nor into a checkpoint around us)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped), spy:
                 eager = pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, run_model())
         except Exception:  # the graph runs where the model does not: nothing to compare
             eager = _NOT_RUN
@@ -866,6 +867,14 @@ def rules_used(plan: Plan, node_credit: Mapping[str, Any] | None) -> dict[str, s
         if (e.rule is not None or e.call.op == "output")
         and (not node_credit or node_credit.get(e.call.name) is not None)
     }
+
+
+def _drop(t: Tensor) -> None:
+    """Pack nothing: the model's run that :meth:`CreditRouter._probe` compares never goes back."""
+
+
+def _dropped(packed: None) -> Tensor:
+    raise AssertionError("the model's comparison run has no backward pass")
 
 
 def rebuilt_as(output: Any, eager: Any) -> type | None:
