@@ -638,6 +638,11 @@ _SETTINGS = __import__("types").SimpleNamespace(scale=2.0)
 _ARGS = __import__("argparse").Namespace(scale=2.0)
 _CFG = __import__("types").ModuleType("a_config_module")
 _CFG.SCALE = 2.0
+_HELPER = {"scale": 2.0}
+
+
+def _helper_scale():
+    return _HELPER["scale"]
 
 
 class _ReadsGlobals(nn.Module):
@@ -656,12 +661,14 @@ class _ReadsGlobals(nn.Module):
             h = h * _ARGS.scale
         elif self.kind == "module":
             h = h * _CFG.SCALE
+        elif self.kind == "helper":  # a global read by a function the forward calls
+            h = h * _helper_scale()
         else:
             h = h * _SETTINGS.scale
         return self.b(h)
 
 
-@pytest.mark.parametrize("kind", ["dict", "list", "namespace", "args", "module"])
+@pytest.mark.parametrize("kind", ["dict", "list", "namespace", "args", "module", "helper"])
 def test_a_global_changed_in_place_is_not_baked_into_a_reused_capture(kind):
     """A trace bakes ``_CONFIG["scale"]`` in as a constant. Globals were compared by identity,
     so one changed in place (a dict's item, a list's, a namespace's attribute) left the
@@ -676,6 +683,8 @@ def test_a_global_changed_in_place_is_not_baked_into_a_reused_capture(kind):
     def set_to(value):  # only the global this kind reads: the others would show a change
         if kind == "dict":
             _CONFIG["scale"] = value
+        elif kind == "helper":
+            _HELPER["scale"] = value
         elif kind == "list":
             _SCALES[0] = value
         else:

@@ -18,8 +18,8 @@ fingerprint holds every attribute of every module *by value*, all the way down:
 - the module-level globals each ``forward`` names (``SCALE`` in ``x * SCALE``, or
   ``CONFIG["scale"]``, which a trace bakes in as a constant): by value as above, so a
   global dict, list or namespace (``argparse``'s too) changed in place is seen, and so are
-  the attributes the forward names of a module of one's own (``cfg.SCALE``); not the
-  globals of the functions the forward calls. One whose walk meets what
+  the attributes the forward names of a module of one's own (``cfg.SCALE``), and the
+  globals of the functions of one's own it names (a helper it calls). One whose walk meets what
   cannot be compared, or more than :data:`_GLOBAL_BUDGET` values (a registry), and an
   object of a standard library class (a logger), by identity alone (rebound to another
   object is seen, changed in place is not).
@@ -221,8 +221,8 @@ _MISSING = object()
 
 
 def _globals_read(modules: list[nn.Module], watch: Watch) -> tuple[Any, ...]:
-    """Each of ``modules``' ``forward`` by identity, and the module-level globals each names,
-    each distinct function once: plain values as they are, other objects by identity (held)."""
+    """Each of ``modules``' ``forward`` by identity, and the module-level globals each names
+    (:func:`_read_by`), each distinct function once."""
     seen: set[int] = set()
     names: list[tuple[str, Any]] = []
     held: list[Any] = []
@@ -232,23 +232,32 @@ def _globals_read(modules: list[nn.Module], watch: Watch) -> tuple[Any, ...]:
         fn = getattr(forward, "__func__", forward)
         names.append(("forward", id(fn)))  # which forward (one patched on the class is another)
         held.append(fn)
-        code, table = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-        if code is None or not isinstance(table, dict) or id(code) in seen:
-            continue
-        seen.add(id(code))
-        watch.attributes_of(fn, ("__code__", "__globals__"))
-        watch.attributes_of(table, _global_names(code))
-        for name in _global_names(code):
-            if name in table:
-                value = table[name]
-                names.append((name, _global_value(value, watch, held)))
-                held.append(value)
-                if isinstance(value, types.ModuleType) and not _of_a_library(value):
-                    # a config module of one's own (cfg.SCALE): the attributes the code names
-                    read = tuple(a for a in _global_names(code) if hasattr(value, a))
-                    watch.attributes_of(value, read)
-                    names += [(f"{name}.{a}", _global_value(getattr(value, a), watch, held)) for a in read]
+        _read_by(fn, watch, names, held, seen)
     return tuple(names), _Held(held)
+
+
+def _read_by(fn: Any, watch: Watch, names: list[tuple[str, Any]], held: list[Any], seen: set[int]) -> None:
+    """The globals ``fn``'s code names (:func:`_global_value`), the attributes it names of a
+    config module of one's own (``cfg.SCALE``), and those of the functions of one's own it
+    names (a helper the forward calls), each function once."""
+    code, table = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is None or not isinstance(table, dict) or id(code) in seen:
+        return
+    seen.add(id(code))
+    watch.attributes_of(fn, ("__code__", "__globals__"))
+    watch.attributes_of(table, _global_names(code))
+    for name in _global_names(code):
+        if name not in table:
+            continue
+        value = table[name]
+        names.append((name, _global_value(value, watch, held)))
+        held.append(value)
+        if isinstance(value, types.ModuleType) and not _of_a_library(value):
+            read = tuple(a for a in _global_names(code) if hasattr(value, a))
+            watch.attributes_of(value, read)
+            names += [(f"{name}.{a}", _global_value(getattr(value, a), watch, held)) for a in read]
+        elif isinstance(value, types.FunctionType) and not _of_a_library(value):
+            _read_by(value, watch, names, held, seen)
 
 
 #: Top-level packages whose modules a forward names for their functions (torch.relu), not
@@ -256,8 +265,10 @@ def _globals_read(modules: list[nn.Module], watch: Watch) -> tuple[Any, ...]:
 _LIBRARIES = frozenset(("torch", "torchvision", "numpy", "transformers", "timm", "einops", "fxnx"))
 
 
-def _of_a_library(module: types.ModuleType) -> bool:
-    root = module.__name__.partition(".")[0]
+def _of_a_library(value: types.ModuleType | types.FunctionType) -> bool:
+    """Whether a module or function is a library's (:data:`_LIBRARIES`, the standard library)."""
+    name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None) or ""
+    root = name.partition(".")[0]
     return root in _LIBRARIES or root in sys.stdlib_module_names
 
 
