@@ -258,18 +258,20 @@ def check_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
 
 def warn_traced_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
     """Warn where a module whose code the capture traced through (not the model itself,
-    whose forward hooks :func:`check_hooks` refuses) has forward hooks of its own: the trace
+    whose forward hooks :func:`check_hooks` refuses) has forward hooks of one's own (not a
+    library's, :data:`_LIBRARIES`): the trace
     ran them once, on its proxies, so the graph holds the tensor operations they made, but a
     run of the graph never calls them, and whatever else they do (collect activations for a
     loss term, log) does not happen at the router's calls."""
-    hooked = [m for m in traced if m is not model and forward_hooks(m)]
+    hooked = [(m, hook) for m in traced if m is not model for hook in forward_hooks(m) if not _of_a_library(hook)]
     if not hooked:
         return
     paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
-    path = paths.get(id(hooked[0]), "")
-    hook = forward_hooks(hooked[0])[0]
+    path = paths.get(id(hooked[0][0]), "")
+    hook = hooked[0][1]
     name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
-    more = f" (and {len(hooked) - 1} other modules)" if len(hooked) > 1 else ""
+    others = len({id(m) for m, _ in hooked}) - 1
+    more = f" (and {others} other modules)" if others else ""
     warn_user(
         f"module {path!r}{more} has a forward hook ({name}) that a run of the captured graph "
         "does not call: its code was traced, not called as a module, so the hook ran once, "
@@ -280,6 +282,16 @@ def warn_traced_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
         "model's outputs; a router with rule='exact' and node_credit=False runs the model's own "
         "forward, hooks included"
     )
+
+
+#: Libraries whose hooks work through what the hooked module returns (Hugging Face's output
+#: capture for output_attentions), which a trace records: not warned about.
+_LIBRARIES = ("torch", "transformers", "timm", "torchvision", "accelerate", "peft")
+
+
+def _of_a_library(hook: Any) -> bool:
+    module = getattr(hook, "__module__", None) or getattr(getattr(hook, "func", None), "__module__", None) or ""
+    return module.partition(".")[0] in _LIBRARIES
 
 
 class TensorHooks(TorchFunctionMode):
