@@ -169,9 +169,10 @@ class Watch:
         return self.versions[-1]
 
     def extend(self, other: Watch) -> None:
-        """Watch what ``other`` read too (one global's walk of its own)."""
-        for name in ("sized", "lengths", "items", "owners", "names", "found", "tensors", "versions", "arrays", "empty"):
-            getattr(self, name).extend(getattr(other, name))
+        """Watch what ``other`` read too (one global's walk of its own): each of its lists."""
+        for name, read in vars(other).items():
+            if isinstance(read, list):
+                getattr(self, name).extend(read)
 
     def unchanged(self) -> bool:
         """Whether everything the walk read is still the same objects (tensors unwritten,

@@ -268,8 +268,7 @@ def warn_traced_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
         return
     paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
     path = paths.get(id(hooked[0][0]), "")
-    hook = hooked[0][1]
-    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    name = _hook_name(hooked[0][1])
     others = len({id(m) for m, _ in hooked}) - 1
     more = f" (and {others} other modules)" if others else ""
     warn_user(
@@ -287,6 +286,11 @@ def warn_traced_hooks(model: nn.Module, traced: list[nn.Module]) -> None:
 #: Libraries whose hooks work through what the hooked module returns (Hugging Face's output
 #: capture for output_attentions), which a trace records: not warned about.
 _LIBRARIES = ("torch", "transformers", "timm", "torchvision", "accelerate", "peft")
+
+
+def _hook_name(hook: Any) -> str:
+    """A hook as an error names it: its function's qualified name, else its class's."""
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
 
 
 def _of_a_library(hook: Any) -> bool:
@@ -318,7 +322,7 @@ class TensorHooks(TorchFunctionMode):
         if hook is Tensor.retain_grad:
             call = "Tensor.retain_grad(), whose .grad a run of the graph would leave unset"
         else:
-            call = f"Tensor.register_hook({getattr(hook, '__qualname__', None) or type(hook).__qualname__})"
+            call = f"Tensor.register_hook({_hook_name(hook)})"
         return (
             f"the forward of {model} registers a hook on a tensor it computes ({call}), which "
             "the captured graph does not hold, so credit routed over the graph would leave the "

@@ -101,7 +101,7 @@ MIXING_MODULES = (nn.RNNBase, nn.RNNCellBase, nn.Bilinear)
 MIXING_NAMES = frozenset({
     "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
     "bilinear", "_trilinear", "tensordot", "mv", "addmv", "inner", "linalg_multi_dot",
-    "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum",
+    *WEIGHTED_METHODS, "einsum",
 })
 
 

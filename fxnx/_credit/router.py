@@ -620,12 +620,12 @@ class CreditRouter(nn.Module):
     def _as_the_model_ran(self, run: Graft, cap: Capture) -> None:
         """What the model's own run showed (:meth:`_probe`): refuse a tensor hook its forward
         registers, and return the model's output type where the graph's is a plain dict."""
-        eager = kept_on(self.G, _EAGER).get(id(cap.gm))
-        if eager is None or eager[0]() is not cap.gm:
+        eager = _noted(self.G, _EAGER, cap.gm)
+        if eager is None:
             return
-        if eager[1] is not None:
-            raise FxnxValueError(eager[1])
-        run.rebuild = eager[2]
+        refusal, run.rebuild = eager
+        if refusal is not None:
+            raise FxnxValueError(refusal)
 
     def _forget(self, run: Graft) -> None:
         """Drop ``run``, whose first run failed: the next call makes and checks it again."""
@@ -658,9 +658,8 @@ class CreditRouter(nn.Module):
                 eager = pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, run_model())
         except Exception:  # the graph runs where the model does not: nothing to compare
             eager = _NOT_RUN
-        kept_on(self.G, _EAGER)[id(cap.gm)] = (
-            weakref.ref(cap.gm), spy.refusal(qualname(model)), None if eager is _NOT_RUN else rebuilt_as(seen.output, eager),
-        )
+        rebuild = None if eager is _NOT_RUN else rebuilt_as(seen.output, eager)
+        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild))
         if eager is _NOT_RUN:
             return seen
         problem = differs(seen.output, eager)
@@ -825,18 +824,20 @@ class CreditRouter(nn.Module):
         )
 
 
-def _noted(G: nx.MultiDiGraph, slot: str, gm: Any) -> bool:
-    """Whether the capture ``gm`` was noted on ``G`` under ``slot`` (checked once already)."""
-    ref = kept_on(G, slot).get(id(gm))
-    return ref is not None and ref() is gm
+def _noted(G: nx.MultiDiGraph, slot: str, gm: Any) -> Any:
+    """What was noted for the capture ``gm`` on ``G`` under ``slot`` (True: checked once
+    already), or None."""
+    entry = kept_on(G, slot).get(id(gm))
+    return entry[1] if entry is not None and entry[0]() is gm else None
 
 
-def _note(G: nx.MultiDiGraph, slot: str, gm: Any) -> None:
-    """Note the capture ``gm`` on ``G`` under ``slot``, forgetting captures since dropped."""
+def _note(G: nx.MultiDiGraph, slot: str, gm: Any, value: Any = True) -> None:
+    """Note ``value`` for the capture ``gm`` on ``G`` under ``slot``, forgetting captures
+    since dropped."""
     noted = kept_on(G, slot)
-    for key in [k for k, ref in noted.items() if ref() is None]:
+    for key in [k for k, (ref, _) in noted.items() if ref() is None]:
         del noted[key]
-    noted[id(gm)] = weakref.ref(gm)
+    noted[id(gm)] = (weakref.ref(gm), value)
 
 
 def own(value: Any) -> Any:
