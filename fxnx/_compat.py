@@ -43,6 +43,7 @@ __all__ = [
     "global_module_hooks",
     "linear_parameters",
     "own_buffers",
+    "own_tables",
     "graph_module",
     "is_fake",
     "make_fx_following_values",
@@ -136,10 +137,11 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "global hook by a credit run",
     ),
     (
-        "nn.Module._buffers",
+        "nn.Module._buffers, nn.Module._parameters (own_buffers, own_tables)",
         "route_credit and the model's first probe: the buffers to restore afterwards, read "
-        "module by module from each one's table (own_buffers)",
-        "buffers(recurse=False), a generator per module",
+        "module by module from each one's table; runs of the model beside the user's: a "
+        "buffer or parameter a forward rebinds, given back (own_tables)",
+        "buffers(recurse=False), a generator per module; a buffer rebound is not given back",
     ),
     (
         "nn.Module._parameters, nn.Module._compiled_call_impl, with the hook tables above",
@@ -532,6 +534,14 @@ def _own_linear_forward() -> Any:
 _LINEAR_FORWARD = _own_linear_forward()
 #: Where torch keeps the hook tables for every module.
 _MODULE_TABLES = torch.nn.modules.module
+
+
+def own_tables(module: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tables of the buffers and parameters ``module`` registers itself, by name: where a
+    forward rebinds one (``self.ema = ...``), the entry changes. Empty where this torch keeps
+    them elsewhere."""
+    own = vars(module)
+    return own.get("_buffers", {}), own.get("_parameters", {})
 
 
 def own_buffers(module: Any) -> list[torch.Tensor]:

@@ -303,9 +303,10 @@ class _CountingShapeProp(_ShapeProp):
 
 def propagate_and_count(
     gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool
-) -> dict[str, tuple[int | None, int | None]] | None:
+) -> tuple[dict[str, tuple[int | None, int | None]] | None, Any]:
     """Propagate shapes as :func:`fxnx._capture.shapes.propagate` does, counting each
-    node's FLOPs and multiply-adds as it runs; return them by node name.
+    node's FLOPs and multiply-adds as it runs; return them by node name, and the graph's
+    output.
 
     torch's fused transformer fast path is off meanwhile, as while tracing: under
     ``no_grad`` ``nn.MultiheadAttention`` would run one fused operator that no formula
@@ -319,16 +320,15 @@ def propagate_and_count(
         As :func:`fxnx._capture.shapes.propagate`: the inputs do not fit the model.
     """
     if TorchDispatchMode is None:  # pragma: no cover
-        propagate_shapes(gm, model, inputs, fake)
-        return None
+        return None, propagate_shapes(gm, model, inputs, fake)
     counting = _CountingShapeProp(gm)
     try:
         with mha_fast_path_off():
-            propagate_shapes(gm, model, inputs, fake, interpreter=counting)
+            output = propagate_shapes(gm, model, inputs, fake, interpreter=counting)
     except ShapePropagationError:
-        propagate_shapes(gm, model, inputs, fake)  # raises again if counting was not the cause
-        return None
-    return counting.counts
+        # raises again if counting was not the cause
+        return None, propagate_shapes(gm, model, inputs, fake)
+    return counting.counts, output
 
 
 # --- FLOPs from shapes --------------------------------------------------------------------------

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import own_buffers
+from ._compat import own_buffers, own_tables
 
-__all__ = ["preserved", "random_state_kept"]
+__all__ = ["attributes_kept", "preserved", "random_state_kept"]
 
 
 @contextlib.contextmanager
@@ -32,9 +32,11 @@ def random_state_kept() -> Iterator[None]:
 def preserved(model: Any) -> Iterator[None]:
     """Restore buffers (BatchNorm running stats, ``num_batches_tracked``), the contents of
     the dicts and lists modules keep as attributes (caches, such as timm LeViT's attention
-    biases, filled on a first call in eval mode), torch's CPU random state and Python's
-    ``random`` state when the block ends, so running the model inside it changes nothing the
-    user sees; buffers nothing wrote are not touched at all.
+    biases, filled on a first call in eval mode), the state of random generators they keep
+    (``torch.Generator``), torch's CPU random state and Python's ``random`` state when the
+    block ends, so running the model inside it changes nothing the
+    user sees; buffers nothing wrote are not touched at all. (Attributes a forward sets:
+    :func:`attributes_kept`.)
 
     Examples
     --------
@@ -63,6 +65,48 @@ def preserved(model: Any) -> Iterator[None]:
                         buf.data.copy_(old)
 
 
+@contextlib.contextmanager
+def attributes_kept(model: Any) -> Iterator[list[str]]:
+    """Give every module of ``model`` back the attributes, buffers and parameters it had (the
+    same objects) when the block ends: an attribute a forward sets (``self.feat = h``,
+    ``self.calls += 1``) is removed or given back, a buffer it rebinds (``self.ema = ...``)
+    given back. Yields a list that gets the names of the attributes the block set
+    (``"encoder.feat"``) as it ends.
+
+    For runs of the model fxnx makes beside the user's (comparing a graph with the model),
+    so that the model is left as the user's own calls left it.
+
+    Examples
+    --------
+    >>> m = nn.Sequential(nn.Linear(2, 2))
+    >>> with attributes_kept(m) as changed:
+    ...     m[0].seen = True
+    >>> changed, hasattr(m[0], "seen")
+    (['0.seen'], False)
+    """
+    named = list(model.named_modules(remove_duplicate=False)) if isinstance(model, nn.Module) else []
+    kept = [(path, m, *map(dict, _tables(m))) for path, m in named]
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        for path, m, *tables in kept:
+            for table, old in zip(_tables(m), tables, strict=True):
+                if len(table) == len(old) and all(map(operator.is_, table.values(), old.values())):
+                    continue
+                changed.extend(f"{path}.{name}" if path else name for name, value in table.items()
+                               if name not in _TABLES and (name not in old or old[name] is not value))
+                for name in [name for name in table if name not in old]:
+                    del table[name]
+                table.update(old)
+
+
+def _tables(m: nn.Module) -> tuple[dict[str, Any], ...]:
+    """A module's ``__dict__`` (its plain attributes and nn.Module's own tables), its buffers
+    and its parameters."""
+    return (vars(m), *own_tables(m))
+
+
 #: nn.Module's own tables (parameters, buffers, submodules): changed only by the model's code.
 _TABLES = frozenset(vars(nn.Module()))
 #: Those of them that are dicts or lists, and their types.
@@ -73,15 +117,17 @@ _GET_OWN = operator.itemgetter(*_OWN_DICTS)
 
 def _caches(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
     """Each dict and list one of ``modules`` holds as an attribute, with a copy of its
-    contents."""
+    contents, and each random generator (``torch.Generator``), with its state."""
     found = []
     for m in modules:
         own = vars(m)
         kinds = list(map(type, own.values()))
-        if kinds.count(dict) + kinds.count(list) == len(_OWN_DICTS) and _own_tables_plain(own):
+        if (kinds.count(dict) + kinds.count(list) == len(_OWN_DICTS) and torch.Generator not in kinds
+                and _own_tables_plain(own)):
             continue  # nn.Module's own tables alone (most modules): checked in C
-        found += [(value, type(value)(value)) for name, value in own.items()
-                  if name not in _TABLES and type(value) in (dict, list)]
+        found += [(value, value.get_state() if type(value) is torch.Generator else type(value)(value))
+                  for name, value in own.items()
+                  if name not in _TABLES and type(value) in (dict, list, torch.Generator)]
     return found
 
 
@@ -94,9 +140,12 @@ def _own_tables_plain(own: dict[str, Any]) -> bool:
 
 
 def _refill(caches: list[tuple[Any, Any]]) -> None:
-    """Give each dict and list the contents it had (the same objects), where they changed."""
+    """Give each dict and list the contents it had (the same objects), where they changed,
+    and each generator its state."""
     for value, old in caches:
-        if type(value) is dict:
+        if type(value) is torch.Generator:
+            value.set_state(old)
+        elif type(value) is dict:
             if value.keys() != old.keys() or any(value[k] is not v for k, v in old.items()):
                 value.clear()
                 value.update(old)

@@ -15,6 +15,7 @@ import pkgutil
 
 import pytest
 import torch
+import torch.fx as fx
 from torch import nn
 
 import fxnx
@@ -341,6 +342,87 @@ def test_a_value_written_in_place_is_read_from_the_write(kind, edges, paths):
     got = cap.gm(x.clone())
     model.seen.zero_()
     assert torch.equal(got, model(x.clone()))
+
+
+class _AddedIntoAnAlias(nn.Module):
+    """``h += y`` with the value before it kept under another name and read afterwards: the
+    model writes into the tensor both names hold; a trace rebinds ``h`` to ``h + y`` (torch.fx's
+    proxies have no ``__iadd__``) and has the alias read the value before the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.g = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        kept = h
+        h += self.b(x)
+        return self.g(kept)
+
+
+def test_a_graph_computing_another_output_than_the_model_is_not_taken():
+    """The trace of ``_AddedIntoAnAlias`` computes another output than the model without
+    failing: ``G`` showed ``b``'s sum leading nowhere and ``g`` reading ``a``, though the
+    model's ``g`` reads the sum. A route whose graph's output differs from the model's on the
+    example inputs fails now, saying so, and the next route (torch.export, which records the
+    write) is taken. Oracle: the model's output, the edges by hand, autograd's gradients."""
+    torch.manual_seed(0)
+    model, x = _AddedIntoAnAlias().double(), torch.randn(3, 4, dtype=torch.float64)
+    traced = fx.symbolic_trace(model)
+    assert not torch.allclose(traced(x), model(x))  # the trace alone computes another output
+    G = fxnx.convert(model, x)
+    assert G.graph["capture"] == "export"
+    assert "does not compute what the model computes" in G.graph["capture_failures"]["symbolic_trace"]
+    assert {("linear", "add_"), ("linear_1", "add_"), ("add_", "linear_2")} <= set(G.edges())
+    assert ("linear", "linear_2") not in set(G.edges())
+    res = fxnx.route_credit(G, model, x)
+    out = model(x)
+    out.sum().backward()
+    assert torch.equal(res.output, out.detach())
+    assert all(torch.equal(res.param_credit[n], p.grad) for n, p in model.named_parameters())
+
+
+def test_a_models_random_draws_are_the_same_for_the_graph_it_is_compared_with():
+    """The comparison of a graph's output with the model's runs both from one random state:
+    dropout in training mode converts with symbolic tracing, as before."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)).train()
+    G = fxnx.convert(model, torch.randn(16, 4))
+    assert G.graph["capture"] == "symbolic_trace" and not G.graph["capture_failures"]
+
+
+class _RebindsABuffer(nn.Module):
+    """A forward that rebinds a buffer to a new tensor (``self.ema = ...``), as an exponential
+    moving average kept out of place does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(5, 7)
+        self.register_buffer("ema", torch.zeros(7))
+
+    def forward(self, x):
+        h = self.l1(x)
+        self.ema = (0.9 * self.ema + 0.1 * h.mean(0)).detach()
+        return h - self.ema
+
+
+def test_a_buffer_the_forward_rebinds_is_given_back_and_read_as_it_was():
+    """Tracing rebinds such a buffer to a torch.fx ``Proxy``: conversion failed with a raw
+    torch.fx error and left the user's model holding the Proxy (in ``state_dict()``, too),
+    and a graph made before the buffer was given back read the Proxy. The model keeps its
+    own tensor, and the graph reads it as it was before the call. Oracle: the model's output
+    on a copy, and the buffer's identity."""
+    torch.manual_seed(0)
+    model, x = _RebindsABuffer(), torch.randn(4, 5)
+    model.ema.normal_()
+    buffer = model.ema
+    twin = copy.deepcopy(model)
+    G = fxnx.convert(model, x)
+    assert G.graph["capture"] == "symbolic_trace"
+    assert model.ema is buffer and model.state_dict(keep_vars=True)["ema"] is buffer
+    assert torch.equal(buffer, twin.ema)  # not written either
+    cap = reuse.recapture(G, model, (x,), None)
+    assert torch.equal(cap.gm(x), twin(x))
+    assert model.ema is buffer
 
 
 class _AutocastInside(nn.Module):

@@ -1735,3 +1735,105 @@ def test_an_exact_router_runs_under_torch_func_once_called():
         F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         for name, p in model.named_parameters():
             assert rel_error(got[f"model.{name}"][i], p.grad) <= 1e-12, name  # vmap's rounding
+
+
+class _KeepsOnItself(nn.Module):
+    """A forward that keeps values on the model: a detached activation (for logging, or a
+    target of its own) and a count of its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        self.feat = h.detach()
+        self.calls = getattr(self, "calls", 0) + 1
+        return self.l2(h)
+
+
+def test_attributes_a_forward_sets_are_left_as_the_users_calls_left_them():
+    """fxnx's own runs of the model (conversion's comparison, the router's check against the
+    model) set what the forward sets, and left it: a router's first call left ``m.feat`` of
+    that run and ``m.calls`` one too many under ``rule="exact"``; under a feedback rule the
+    graph's runs never set them, so ``m.feat`` stayed the check run's value (0.84 off the
+    model's at the second call), silently. fxnx's runs now give every attribute back, and a
+    router that runs the graph warns that the forward sets them. Oracle: a copy of the model
+    called as often on the same inputs."""
+    torch.manual_seed(0)
+    model, x = _KeepsOnItself().double(), torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    assert not hasattr(model, "feat") and not hasattr(model, "calls")
+    twin = copy.deepcopy(model)
+    router = fxnx.CreditRouter(G, model, rule="exact")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model's own forward runs: nothing to say
+        for _ in range(3):
+            x = torch.randn(4, 5, dtype=torch.float64)
+            assert torch.equal(router(x), twin(x))
+            assert model.calls == twin.calls and torch.equal(model.feat, twin.feat)
+    model = _KeepsOnItself().double()
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    with pytest.warns(UserWarning, match=r"forward sets 'feat', 'calls' on the model, which a run of its captured graph does not"):
+        router(x)
+    assert not hasattr(model, "feat") and not hasattr(model, "calls")  # as before the call
+
+
+class _GradBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        if x.requires_grad:
+            h = h * 2
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("rule", ["exact", "feedback_alignment"])
+def test_a_graph_fixed_to_whether_its_input_requires_grad_is_not_reused_for_the_other(rule):
+    """``torch.export`` fixes a branch on ``x.requires_grad`` to the example's. A capture made
+    for an input without gradients was reused for one with them (the inputs' key left
+    ``requires_grad`` out): the router's output 0.35 off the model's, ``route_credit``'s
+    credit 0.5 off autograd's, silently. Such graphs are captured for each, and ``G`` made
+    from the other branch is refused, naming the nodes it lacks. Oracle: the model itself."""
+    torch.manual_seed(0)
+    model, x = _GradBranch().double(), torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    assert G.graph["capture"] == "export"
+    router = fxnx.CreditRouter(G, model, rule=rule)
+    assert torch.equal(router(x), model(x))
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"G lacks nodes the model computes: \['mul'\].*follows its inputs"):
+        router(x.clone().requires_grad_())
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"G lacks nodes the model computes: \['mul'\]"):
+        fxnx.route_credit(G, model, x, rule="exact")  # route_credit's inputs require grad
+
+
+class _OwnGenerator(nn.Module):
+    """Noise drawn from a generator the model keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(5, 7)
+        self.gen = torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        h = self.l1(x)
+        return h + torch.randn(h.shape, generator=self.gen, dtype=h.dtype)
+
+
+@pytest.mark.parametrize("rule", ["exact", "feedback_alignment"])
+def test_a_generator_the_model_keeps_draws_as_the_model_would(rule):
+    """fxnx's runs of the model beside the user's gave back torch's random state but not that
+    of a generator the model keeps: the router's check against the model drew twice from it
+    and refused, even under rule='exact', as a forward that is not one graph. Its state is
+    given back now, and the router draws what the model draws. Oracle: a copy of the model
+    called as often."""
+    torch.manual_seed(0)
+    model, x = _OwnGenerator().double(), torch.randn(4, 5, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    twin = copy.deepcopy(model)
+    router = fxnx.CreditRouter(G, model, rule=rule)
+    for _ in range(2):
+        assert torch.equal(router(x), twin(x))

@@ -192,10 +192,12 @@ def test_a_graph_that_follows_the_examples_values_is_checked_at_every_call():
         router(x).sum().backward()
         for name, grad in _grads(model).items():
             torch.testing.assert_close(grad, want[name], rtol=1e-12, atol=0, msg=name)
-    for run in (lambda: router(big), lambda: fxnx.route_credit(G, model, big),
-                lambda: fxnx.CreditRouter(G, model, rule="feedback_alignment")(big)):
+    for run in (lambda: router(big), lambda: fxnx.CreditRouter(G, model, rule="feedback_alignment")(big)):
         with pytest.raises(fxnx.errors.FxnxValueError, match=r"read tensor values \(.*> 1\.0\), and the graph follows the branches"):
             run()
+    # route_credit's inputs require grad: captured for them, on big's branch, which G lacks
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"G lacks nodes .*follows its inputs, and a branch"):
+        fxnx.route_credit(G, model, big)
     plain = fxnx.CreditRouter(G, model)
     want = _autograd(model, big, torch.ones(3, 4, dtype=f64))
     model.zero_grad()

@@ -30,9 +30,10 @@ from .._errors import (
     first_line,
     warn_user,
 )
-from .._state import preserved
+from .._state import attributes_kept, preserved
+from .agree import computes_another
 from .common import alone, as_module
-from .inputs import Inputs, bind_inputs, empty_inputs, placeholder_values, qualname
+from .inputs import Inputs, bind_inputs, device_of, empty_inputs, placeholder_values, qualname
 from .make_fx import AtenCapture, capture_aten
 from .options import CaptureOptions, LeafSpec, check_level, concrete_items, leaf_names
 from .registry import ROUTE_NAMES, ROUTES
@@ -170,7 +171,9 @@ def capture(
         failure (in ``failures``), and the next route is tried. A function
         ``propagate(gm, model, values, fake)`` propagates instead of
         :func:`~fxnx._capture.shapes.propagate` (raising ``ShapePropagationError`` as it
-        does); what it returns is ``Capture.propagation``.
+        does) and returns what it found, which is ``Capture.propagation``, and the graph's
+        output. A graph whose output on real inputs differs from the model's is that
+        route's failure too (:mod:`fxnx._capture.agree`).
     input_shape : shape or list of shapes, optional
         Instead of example inputs: the shape of each positional input, made as
         empty tensors of ``dtype`` on the model's device.
@@ -311,7 +314,7 @@ def _capture(
         options, level, aten, specialised = options.captured("graph_module", ()), "module", None, False
         values = placeholder_values(inputs, gm, level)
         if propagate and values is not None:
-            propagation = _propagator(propagate)(gm, model, values, fake)
+            propagation, _ = _propagator(propagate)(gm, model, values, fake)
     else:
         name, result, failures, propagation = _ladder(model, inputs, options, fake, propagate)
         gm, aten, specialised, varies = result.gm, result.aten, result.shape_specialised, result.varies
@@ -389,7 +392,9 @@ def _ladder(
             if propagate and result.aten is None:
                 values = placeholder_values(inputs, result.gm, route.level)
                 if values is not None:
-                    propagation = _propagator(propagate)(result.gm, model, values, fake)
+                    propagation, output = _propagator(propagate)(result.gm, model, values, fake)
+                    if not changed:  # else the graph is that call's, as the warning below says
+                        _check_computes_the_model(model, result, inputs, options, output, fake)
         except CaptureError as err:
             failures.append((name, first_line(err)))
             errors.append(err)
@@ -441,12 +446,17 @@ def _ladder(
     raise CaptureError("\n".join(lines)) from errors[-1]
 
 
-#: A shape propagation: ``propagate(gm, model, values, fake)``, raising ShapePropagationError.
-Propagator = Callable[[fx.GraphModule, Any, list[Any], bool], Any]
+#: A shape propagation: ``propagate(gm, model, values, fake)`` returns what it found (which
+#: becomes ``Capture.propagation``) and the graph's output; it raises ShapePropagationError.
+Propagator = Callable[[fx.GraphModule, Any, list[Any], bool], tuple[Any, Any]]
 
 
 def _propagator(propagate: bool | Propagator) -> Propagator:
-    return propagate if callable(propagate) else propagate_shapes
+    return propagate if callable(propagate) else _shapes_only
+
+
+def _shapes_only(gm: fx.GraphModule, model: Any, values: list[Any], fake: bool) -> tuple[None, Any]:
+    return None, propagate_shapes(gm, model, values, fake)
 
 
 def _not_one_graph(model: Any, route: str, err: Exception) -> str:
@@ -462,13 +472,31 @@ def _not_one_graph(model: Any, route: str, err: Exception) -> str:
     )
 
 
+def _check_computes_the_model(
+    model: Any, result: Any, inputs: Inputs | None, options: CaptureOptions, output: Any, fake: bool,
+) -> None:
+    """Fail the route whose graph computes another output than the model on the example inputs
+    (real ones: fake and ``meta`` values hold nothing to compare), so the ladder goes on to the
+    next route (:mod:`.agree`). A graph already known to be one call's (``varies``, or a model
+    that changed itself while captured: both warned about) is left to that warning."""
+    if fake or inputs is None or result.varies or device_of(model).type == "meta":
+        return
+    why = computes_another(model, inputs, dict(options.concrete_args), output)
+    if why is not None:
+        raise CaptureError(
+            f"its graph does not compute what the model computes on the example inputs ({why}): "
+            "the trace recorded another computation (a write in place into a value an alias "
+            "reads afterwards, h += y, or a Python value fixed while tracing)"
+        )
+
+
 def _model_runs(model: Any, inputs: Inputs | None, fake: bool) -> bool:
     """Whether the model itself runs on the example inputs (nothing it changes is kept), with
     gradients on, as it runs when called (a forward calling ``h.retain_grad()`` fails without)."""
     if inputs is None or fake:
         return True  # cannot tell without running real values: try the next route
     try:
-        with torch.enable_grad(), preserved(model):
+        with torch.enable_grad(), preserved(model), attributes_kept(model):
             model(*inputs.args, **inputs.kwargs)
     except Exception:
         return False

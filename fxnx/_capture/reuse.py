@@ -220,14 +220,15 @@ def _structure(model: nn.Module) -> tuple[Any, ...]:
 
 def inputs_key(args: Sequence[Any], kwargs: Mapping[str, Any] | None, shapes: bool) -> Any:
     """What a capture depends on in the inputs: their structure, tensors' dtypes, devices and
-    (where the capture is specialised to them) shapes, other values as they are."""
+    (where the capture is specialised to them) shapes and whether they require gradients (a
+    branch on ``x.requires_grad`` is fixed in such a graph), other values as they are."""
     if not kwargs and all(type(x) is torch.Tensor for x in args):  # the common case, cheaply
         return len(args), tuple(
-            (tuple(x.shape) if shapes else x.dim(), x.dtype, x.device.type) for x in args
+            ((tuple(x.shape), x.requires_grad) if shapes else x.dim(), x.dtype, x.device.type) for x in args
         )
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     return str(spec), tuple(
-        ("tensor", tuple(x.shape) if shapes else x.dim(), x.dtype, x.device.type)
+        ("tensor", (tuple(x.shape), x.requires_grad) if shapes else x.dim(), x.dtype, x.device.type)
         if isinstance(x, torch.Tensor)
         else (type(x), x if _hashable(x) else repr(x))
         for x in leaves

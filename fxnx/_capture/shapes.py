@@ -154,8 +154,9 @@ def _describe_value(value: Any) -> Any:
 def propagate(
     gm: fx.GraphModule, model: Any, inputs: list[Any], fake: bool,
     interpreter: _ShapeProp | None = None,
-) -> None:
-    """Run the inputs through the graph without leaving a trace on the model, buffers or RNG.
+) -> Any:
+    """Run the inputs through the graph without leaving a trace on the model, buffers or RNG,
+    and return the graph's output.
 
     ``interpreter``, a :class:`_ShapeProp` (or subclass) over ``gm``, runs the nodes
     (a fresh one by default); with ``fake`` it runs fake tensors.
@@ -165,9 +166,8 @@ def propagate(
         if fake and device_of(model).type != "meta":
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
-                interpreter.run(*fakes)
-        else:
-            interpreter.run(*inputs)
+                return interpreter.run(*fakes)
+        return interpreter.run(*inputs)
 
 
 def shape_source(model: Any, fake: bool) -> str:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .._compat import graph_module
+from .._compat import graph_module, own_tables
 from .._errors import CaptureError, FxnxValueError
 from .._state import preserved
 from .common import Route, RouteResult, drawn, draws_varies
@@ -138,12 +138,14 @@ def _trace(
     opaque: list[str] = []
     # torch.fx runs code on buffers as it traces (timm's BatchNormAct2d counts batches with
     # num_batches_tracked.add_(1)): the model's buffers are restored afterwards.
-    with preserved(model), _as_before_tracing(model), torch_nn_traceable():
+    with preserved(model), _constants_removed(model):
         # A proxy draws nothing: a random number drawn while tracing was drawn by the model's
         # Python code, and the graph holds it as a constant or as the branch it chose.
-        with drawn(torch_rng=True) as draws:
+        with _proxies_given_back(model), torch_nn_traceable(), drawn(torch_rng=True) as draws:
             tracer, graph, answered = _traced(model, options, leaves, opaque, concrete_args, values)
         name = type(model).__name__ if isinstance(model, nn.Module) else model.__name__
+        # made once the model holds its own values again: a buffer the forward rebinds
+        # (self.ema = ...) is read by the graph as it was before the call
         return graph_module(tracer.root, graph, name), opaque, answered, draws_varies(draws, "torch.fx")
 
 
@@ -238,33 +240,44 @@ def _is_fx_check(node: fx.Node) -> bool:
 
 
 @contextlib.contextmanager
-def _as_before_tracing(model: Any) -> Iterator[None]:
-    """Leave the model's attributes as they were once the block ends, undoing what tracing
-    writes on it:
-
-    - each tensor constant torch.fx meets (``torch.tensor([...])`` in a ``forward``) is stored
-      on the root as ``_tensor_constant0``, …: removed (the GraphModule keeps its own
-      reference), which also keeps the names the same from one trace to the next;
-    - an attribute any module set to a torch.fx ``Proxy`` (a value it caches on itself): given
-      back, or removed if new; kept, the model's next call would compute with it. (What it
-      caches in a dict or list, such as timm LeViT's attention biases,
-      :func:`~fxnx._state.preserved` refills.)
-    """
+def _proxies_given_back(model: Any) -> Iterator[None]:
+    """Give back, once the block ends, each attribute any module set to a torch.fx ``Proxy``
+    while traced (a value it caches on itself, or a buffer it rebinds, ``self.ema = ...``),
+    or remove it if new: kept, the model's next call (and the graph made from the trace)
+    would compute with it. (What it caches in a dict or list, such as timm LeViT's attention
+    biases, :func:`~fxnx._state.preserved` refills.)"""
     if not isinstance(model, nn.Module):
         yield
         return
-    root = _own_attributes(model)
-    before = {id(m): (m, dict(vars(m))) for m in model.modules()}
+    before = [(m, dict(vars(m)), [(table, dict(table)) for table in own_tables(m)]) for m in model.modules()]
     try:
         yield
     finally:
-        for m, attributes in before.values():
+        for m, attributes, tables in before:
             for name, value in list(vars(m).items()):
                 if isinstance(value, fx.Proxy):
                     if name in attributes:
                         object.__setattr__(m, name, attributes[name])
                     else:
                         delattr(m, name)
+            for table, old in tables:
+                for name, value in list(table.items()):
+                    if isinstance(value, fx.Proxy):
+                        table[name] = old[name]
+
+
+@contextlib.contextmanager
+def _constants_removed(model: Any) -> Iterator[None]:
+    """Remove, once the block ends, each tensor constant torch.fx stored on the root as it met
+    it (``torch.tensor([...])`` in a ``forward``: ``_tensor_constant0``, …); the GraphModule
+    keeps its own reference, and the names stay the same from one trace to the next."""
+    if not isinstance(model, nn.Module):
+        yield
+        return
+    root = _own_attributes(model)
+    try:
+        yield
+    finally:
         for name in sorted(_own_attributes(model) - root):
             delattr(model, name)
 

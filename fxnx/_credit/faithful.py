@@ -29,8 +29,9 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .._capture.agree import differs, tensors
 from .._capture.shapes import mutable, node_failure
-from .._compat import forward_hooks, global_hooks, has_hooks, pytree, version
+from .._compat import forward_hooks, global_hooks, has_hooks, version
 from .._errors import FxnxValueError, warn_user
 
 __all__ = ["Probe", "TensorHooks", "check_hooks", "differs", "probe", "warn_traced_hooks"]
@@ -107,7 +108,7 @@ class _Run(fx.Interpreter):
         args, kwargs = mutable(self.fetch_args_kwargs_from_env(n))
         # A node writes into what it is given: only its arguments' storages are watched
         # (their views and bases share the storage and autograd's version counter).
-        watched = {k: version(self.held[k]) for k in map(_storage, _tensors((args, kwargs)))
+        watched = {k: version(self.held[k]) for k in map(_storage, tensors((args, kwargs)))
                    if k in self.held}
         try:
             value = getattr(self, n.op)(n.target, args, kwargs)
@@ -124,14 +125,14 @@ class _Run(fx.Interpreter):
             fx.node.map_arg((n.args, n.kwargs), lambda a: sources.append(a) or a)  # type: ignore[func-returns-value]
             self.written[n.name] = tuple(
                 i for i, src in enumerate(sources)
-                if any(_storage(t) in changed for t in _tensors(self.env.get(src)))
+                if any(_storage(t) in changed for t in tensors(self.env.get(src)))
             )
         if n.op == "output":
             return value
-        tensors = _tensors(value)
-        if any(id(t) in self.ids for t in tensors):
+        held = tensors(value)
+        if any(id(t) in self.ids for t in held):
             self.shared.add(n.name)
-        for t in tensors:
+        for t in held:
             self.ids.add(id(t))
             k = _storage(t)
             if k is not None:
@@ -142,10 +143,6 @@ class _Run(fx.Interpreter):
         return value
 
 
-def _tensors(value: Any) -> list[Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor)]
-
-
 def _storage(t: Tensor) -> int | None:
     """The address of ``t``'s storage (shared by its views), or None for a tensor without one."""
     try:
@@ -153,44 +150,6 @@ def _storage(t: Tensor) -> int | None:
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
         return None
     return ptr or None
-
-
-def differs(got: Any, want: Any) -> str | None:
-    """Where the tensors of ``got`` differ from those of ``want``, in words, or None.
-
-    Tensors are compared leaf by leaf (pytree order): shapes and dtypes exactly, integers and
-    booleans exactly, floating values to a relative norm of ``1000·eps`` of their dtype (a
-    hundredth at most), NaNs where the other has NaNs. Structures with different numbers of
-    tensors are not compared (None).
-    """
-    a, b = _tensors(got), _tensors(want)
-    if len(a) != len(b):
-        return None
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        where = "the output" if len(a) == 1 else f"output tensor {i}"
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return f"{where} has shape {tuple(x.shape)} {x.dtype}, not {tuple(y.shape)} {y.dtype}"
-        if x.is_meta or y.is_meta or x.numel() == 0:
-            continue
-        x, y = x.detach(), y.detach()
-        if not (x.is_floating_point() or x.is_complex()):
-            if not torch.equal(x, y):
-                return f"{where} differs in {int((x != y).sum())} of {x.numel()} values"
-            continue
-        nan = x.isnan()
-        if not torch.equal(nan, y.isnan()):
-            return f"{where} has NaN in other places"
-        x, y = x.masked_fill(nan, 0), y.masked_fill(nan, 0)
-        if not torch.equal(x.isinf(), y.isinf()) or not torch.equal(x[x.isinf()], y[y.isinf()]):
-            return f"{where} has infinities in other places"
-        x, y = x.masked_fill(x.isinf(), 0), y.masked_fill(y.isinf(), 0)
-        eps = torch.finfo(x.real.dtype if x.is_complex() else x.dtype).eps
-        # Tensor.cdouble exists; torch's stubs lack it
-        scale = float(torch.linalg.vector_norm(y.double() if not y.is_complex() else y.cdouble()))  # type: ignore[attr-defined]
-        error = float(torch.linalg.vector_norm((x - y).double() if not x.is_complex() else (x - y).cdouble()))  # type: ignore[attr-defined]
-        if error > min(1e3 * eps, 1e-2) * scale + 1e-30:
-            return f"{where} differs by {error / scale if scale else error:.3g} (relative norm)"
-    return None
 
 
 def backward_differs(
@@ -205,17 +164,17 @@ def backward_differs(
     custom autograd Function's backward that is the derivative of its forward agrees to
     rounding; a straight-through estimator's does not.
     """
-    want_out, got_out = _tensors(model()), _tensors(graph())
+    want_out, got_out = tensors(model()), tensors(graph())
     pairs = [(w, g) for w, g in zip(want_out, got_out, strict=False)
              if w.requires_grad and g.requires_grad and w.shape == g.shape]
     if len(want_out) != len(got_out) or not pairs:
         return "their outputs cannot be paired"
     generator = torch.Generator().manual_seed(0)
     credit = [torch.randn(w.shape, generator=generator, dtype=torch.float64).to(w) for w, _ in pairs]
-    names, tensors = list(params), list(params.values())
-    want = torch.autograd.grad([w for w, _ in pairs], tensors, credit, allow_unused=True)
-    got = torch.autograd.grad([g for _, g in pairs], tensors, credit, allow_unused=True)
-    for name, p, a, b in zip(names, tensors, want, got, strict=True):
+    names, values = list(params), list(params.values())
+    want = torch.autograd.grad([w for w, _ in pairs], values, credit, allow_unused=True)
+    got = torch.autograd.grad([g for _, g in pairs], values, credit, allow_unused=True)
+    for name, p, a, b in zip(names, values, want, got, strict=True):
         a = torch.zeros_like(p) if a is None else a
         b = torch.zeros_like(p) if b is None else b
         scale = float(a.double().norm()) or 1.0

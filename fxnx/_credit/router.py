@@ -33,7 +33,7 @@ from .._capture.reuse import (
 from .._compat import in_backward, in_transform, pytree
 from .._contract import validate
 from .._errors import FxnxError, FxnxTypeError, FxnxValueError, warn_user
-from .._state import preserved
+from .._state import attributes_kept, preserved
 from . import feedback as fb
 from .accumulated import accumulated, reaches
 from .compare import cosine_angle, flat
@@ -619,13 +619,23 @@ class CreditRouter(nn.Module):
 
     def _as_the_model_ran(self, run: Graft, cap: Capture) -> None:
         """What the model's own run showed (:meth:`_probe`): refuse a tensor hook its forward
-        registers, and return the model's output type where the graph's is a plain dict."""
+        registers, warn of attributes it sets on the model (which the graph's run does not),
+        and return the model's output type where the graph's is a plain dict."""
         eager = _noted(self.G, _EAGER, cap.gm)
         if eager is None:
             return
-        refusal, run.rebuild = eager
+        refusal, run.rebuild, changed = eager
         if refusal is not None:
             raise FxnxValueError(refusal)
+        if changed:
+            warn_user(
+                f"{qualname(self.model)}'s forward sets {', '.join(map(repr, changed[:4]))}"
+                f"{' …' if len(changed) > 4 else ''} on the model, which a run of its captured "
+                "graph does not: where this router runs the graph, they keep the values they had "
+                "before the call (a value kept for a loss term, such as an auxiliary loss, would "
+                "be stale). Return such values from forward, or train with rule='exact' and "
+                "node_credit=False, which runs the model's own forward"
+            )
 
     def _forget(self, run: Graft) -> None:
         """Drop ``run``, whose first run failed: the next call makes and checks it again."""
@@ -651,15 +661,15 @@ class CreditRouter(nn.Module):
         run_model = self._on_copies(inputs, kwargs)
         if run_model is None:
             return seen
-        spy = TensorHooks()
+        spy, changed = TensorHooks(), list[list[str]]()
         try:  # with gradients, as the model runs when called (if h.requires_grad: h.register_hook),
             # saving nothing for a backward that never comes (nor into a checkpoint around us)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped), spy:
-                eager = pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, run_model())
+                eager = pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, run_model(changed))
         except Exception:  # the graph runs where the model does not: nothing to compare
             eager = _NOT_RUN
         rebuild = None if eager is _NOT_RUN else rebuilt_as(seen.output, eager)
-        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild))
+        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild, sum(changed, [])))
         if eager is _NOT_RUN:
             return seen
         problem = differs(seen.output, eager)
@@ -686,18 +696,23 @@ class CreditRouter(nn.Module):
         _note(self.G, _CHECKED, cap.gm)
         return seen
 
-    def _on_copies(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Callable[[], Any] | None:
+    def _on_copies(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Callable[..., Any] | None:
         """The model's forward on copies of ``inputs``, bound as its capture was, changing
-        nothing (buffers and the random state restored): for comparing the graph with the
-        model; None where the inputs do not bind."""
+        nothing (buffers, attributes and the random state restored): for comparing the graph
+        with the model; None where the inputs do not bind. Given a list, the run appends the
+        list of the attributes the forward set (:func:`~fxnx._state.attributes_kept`)."""
         model, concrete = self.model, dict(self._capture["concrete_args"] or {})
         bound = bind_inputs(model, inputs, kwargs, concrete)
         if bound is None:
             return None
 
-        def run() -> Any:
-            with preserved(model), TRACING_LOCK:
-                return model(*bound.args, **bound.kwargs, **concrete)
+        def run(changed: list[list[str]] | None = None) -> Any:
+            with preserved(model), attributes_kept(model) as set_, TRACING_LOCK:
+                try:
+                    return model(*bound.args, **bound.kwargs, **concrete)
+                finally:
+                    if changed is not None:
+                        changed.append(set_)  # filled as attributes_kept ends
 
         return run
 
