@@ -294,7 +294,9 @@ def skip_connections(
         The kinds to return: any of :data:`SKIP_KINDS`, or ``"all"``. Default
         :data:`RESIDUALS`.
     annotate : bool
-        Also write the result onto ``G`` as plain data (see Notes).
+        Also write the result onto ``G`` as plain data (see Notes). A view of another graph
+        (``G.subgraph(...)``, or any frozen graph) shares that graph's attributes, so it is
+        refused: annotate a copy (``.copy()``), or pass ``annotate=False``.
 
     Returns
     -------
@@ -327,6 +329,12 @@ def skip_connections(
     ([], ['parallel'])
     """
     wanted = _kinds(kinds)
+    if annotate and nx.is_frozen(G):
+        raise FxnxValueError(
+            "G is a view of another graph (G.subgraph(...), or a frozen graph), whose node "
+            "and graph attributes it shares: annotating it would write into that graph. "
+            "Annotate a copy (G.subgraph(...).copy()), or pass annotate=False"
+        )
     order = {n: i for i, n in enumerate(topological_order(G))}
     flow = _data_flow(G)
     merges = [
@@ -376,6 +384,29 @@ def skip_connections(
     if annotate:
         _annotate(G, found)
     return found
+
+
+def marked(G: nx.MultiDiGraph) -> nx.MultiDiGraph:
+    """A copy of ``G`` with its skip connections marked afresh (:func:`skip_connections`), of
+    the kinds ``G``'s own marks name (the residuals where it has none): marks written before
+    ``G`` was edited (an edge removed) would no longer be its skip connections.
+
+    Examples
+    --------
+    >>> G = nx.MultiDiGraph([("x", "conv"), ("conv", "add"), ("x", "add"), ("add", "output")])
+    >>> nx.set_node_attributes(G, "call_module", "op")
+    >>> G.nodes["add"].update(op="call_function", target="operator.add")
+    >>> G.nodes["conv"]["num_params"] = 9
+    >>> _ = skip_connections(G)
+    >>> G.remove_edge("x", "add")
+    >>> G.nodes["add"]["branch_role"], marked(G).nodes["add"]["branch_role"]
+    ('merge', None)
+    """
+    H = G.copy()
+    named = G.graph.get("skip_connections")
+    kinds = {s.get("kind") for s in named if isinstance(s, dict)} if isinstance(named, list) else set()
+    skip_connections(H, [k for k in SKIP_KINDS if k in kinds] or RESIDUALS)
+    return H
 
 
 def _kinds(kinds: str | Collection[str]) -> frozenset[str]:
@@ -493,8 +524,8 @@ def _claim(data: dict[str, Any], key: str, value: str) -> None:
 def scope_subgraph(G: nx.MultiDiGraph, scope: str, *, inputs: bool = True) -> nx.MultiDiGraph:
     """The part of ``G`` computed inside module ``scope``: a copy with every attribute.
 
-    Skip connections are found on the whole of ``G`` first (if they were not
-    already), so a branch whose fork lies outside ``scope`` keeps its roles.
+    Skip connections are marked afresh on the whole of ``G`` first (:func:`marked`; ``G``
+    itself is left as it is), so a branch whose fork lies outside ``scope`` keeps its roles.
 
     Parameters
     ----------
@@ -511,8 +542,7 @@ def scope_subgraph(G: nx.MultiDiGraph, scope: str, *, inputs: bool = True) -> nx
     >>> sorted(scope_subgraph(G, "block")), sorted(scope_subgraph(G, "block", inputs=False))
     (['a', 'b', 'x'], ['a', 'b'])
     """
-    if "skip_connections" not in G.graph:
-        skip_connections(G)
+    G = marked(G)
     inside = {
         n for n, data in G.nodes(data=True)
         if (data.get("scope") or "") == scope or (data.get("scope") or "").startswith(scope + ".")

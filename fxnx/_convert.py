@@ -164,7 +164,9 @@ def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None)
         info, names = bind_call(node, gm, module)
         out_shape, out_dtype, _ = described[node] = _describe(node.meta.get("tensor_meta"))
         stack = _module_stack(node, module)
-        modules.update(stack)
+        # the root is the model itself: a wrapper torch.export put around it (its stack's "",
+        # for a torch.compile'd model) is not
+        modules.update((path, name) for path, name in stack.items() if path)
         num_params, trainable_params = _num_params(node, gm, module, primals, trainable)
         node_cost = flops.get(node.name, (None, None))
         G.add_node(

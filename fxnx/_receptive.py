@@ -85,6 +85,12 @@ class ReceptiveField:
         """The input pixels output position ``index`` sees: ``(first, stop)`` per dimension,
         half open, as Python slices count.
 
+        The box is the field's extent: a dilated field has gaps inside it that the position
+        does not see, and ``within`` clips the extent to the input, so at the input's edge
+        a dilated field's box can begin or end on such a gap (a 3×3 convolution with
+        dilation 2 and padding 2 sees rows 1 and 3 for output row 1; its box is rows 0 to
+        3). It never leaves out a pixel the position sees.
+
         Parameters
         ----------
         *index : int

@@ -241,3 +241,44 @@ def test_the_identity_branch_is_the_skip_however_the_sum_is_written(how):
     assert skip.kind == "identity" and skip.residual == ("f",)
     assert all(G.nodes[n]["op"] != "call_module" or n.startswith("id") for n in skip.skip)
     assert fxnx.path_length_counts(G) == {0: 1, 1: 1}
+
+
+def _one_block():
+    """x -> conv -> add(x): one identity residual, counted by hand."""
+    G = nx.MultiDiGraph([("x", "conv"), ("conv", "add"), ("x", "add"), ("add", "output")])
+    nx.set_node_attributes(G, "call_module", "op")
+    G.nodes["add"].update(op="call_function", target="operator.add")
+    G.nodes["conv"].update(num_params=9, scope="block")
+    G.nodes["add"]["scope"] = "block"
+    return G
+
+
+def test_marks_written_before_an_edit_are_not_drawn_nor_kept_by_a_subgraph():
+    """``skip_connections(G)`` marks ``G``; an edge removed afterwards (cutting the skip, as the
+    README's credit section does) left the marks: drawings and ``scope_subgraph`` trusted
+    them and showed a merge where there is none. Both mark afresh, on a copy. Oracle: by
+    hand, the block's only skip is the cut edge, so nothing is a merge."""
+    G = _one_block()
+    fxnx.skip_connections(G)
+    assert fxnx.to_pydot(G).get_node("add")[0].get("peripheries") == "2"  # the merge, marked
+    G.remove_edge("x", "add")
+    before = copy.deepcopy(dict(G.nodes(data=True))), copy.deepcopy(G.graph)
+    assert fxnx.to_pydot(G).get_node("add")[0].get("peripheries") is None
+    sub = fxnx.scope_subgraph(G, "block")
+    assert sub.nodes["add"]["branch_role"] is None and "skip_connections" not in sub.graph
+    assert (dict(G.nodes(data=True)), G.graph) == before  # G itself is left as it was
+
+
+def test_a_view_is_not_annotated_through_to_the_graph_it_views():
+    """A subgraph view shares its graph's node and graph attributes: ``skip_connections``
+    annotating one wrote its finds into the whole graph (6 of ResNet-18's 8 kept in
+    ``G.graph``, silently). It is refused, saying what to do; a copy is annotated."""
+    G = _one_block()
+    fxnx.skip_connections(G)
+    view = G.subgraph(["x", "conv"])
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"view of another graph.*\.copy\(\)"):
+        fxnx.skip_connections(view)
+    assert len(G.graph["skip_connections"]) == 1
+    assert fxnx.skip_connections(view, annotate=False) == []
+    copied = view.copy()
+    assert fxnx.skip_connections(copied) == [] and len(G.graph["skip_connections"]) == 1

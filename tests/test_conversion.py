@@ -457,3 +457,76 @@ def test_convert_takes_captures_options_declared_once():
     assert all(convert[n].default == capture[n].default for n in options)
     with pytest.raises(TypeError, match="unexpected keyword argument 'leaf_module'.*leaf_modules"):
         fxnx.convert(torch.nn.Linear(2, 2), torch.zeros(1, 2), leaf_module=["x"])
+
+
+@pytest.mark.parametrize("level", ["module", "aten", "joint"])
+def test_a_module_registered_under_two_names_keeps_its_parameters(level):
+    """At ``level="aten"`` and ``"joint"`` the model runs under ``torch.func.functional_call``,
+    which puts a module registered under two names back with its weights swapped for the
+    traced tensors: conversion left the user's layer holding detached tensors (no longer
+    trained by an optimizer made afterwards) and counted its parameters frozen (18 trainable
+    of 90). Oracle: the parameters' identities and ``module.parameters()``."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(8, 2))
+    before = dict(model.named_parameters(remove_duplicate=False))
+    G = fxnx.convert(model, torch.randn(3, 8), level=level)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert after.keys() == before.keys() and all(after[n] is p for n, p in before.items())
+    assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in after.values())
+    total = sum(p.numel() for p in model.parameters())
+    assert G.graph["num_params"] == G.graph["trainable_params"] == total == 90
+
+
+def test_a_compiled_model_is_named_as_itself():
+    """torch.export puts a wrapper of its own around a ``torch.compile``'d model, and its
+    module stack named that wrapper as the root: ``G.graph["model"]`` and the cost table's
+    first row said ``…_aot_export_non_strict.<locals>.Wrapper``. The root is the model
+    converted. Oracle: the model's own class."""
+    model = torch.compile(nn.Sequential(nn.Linear(8, 4), nn.ReLU()))
+    G = fxnx.convert(model, torch.randn(2, 8))
+    name = f"{type(model).__module__}.{type(model).__qualname__}"
+    assert G.graph["model"] == G.graph["modules"][""] == name
+    assert G.graph["modules"]["_orig_mod.0"] == "torch.nn.modules.linear.Linear"
+    assert fxnx.frames.cost_table(G, depth=1).splitlines()[2].split()[0] == type(model).__qualname__
+
+
+class _TwoResiduals(nn.Module):
+    """Two identity residuals on ``batch["x"]`` (``by_key``) or ``batch.x``: by hand, 2 skips,
+    paths {0: 1, 1: 2, 2: 1}."""
+
+    def __init__(self, by_key: bool) -> None:
+        super().__init__()
+        self.f, self.g, self.h = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.by_key = by_key
+
+    def forward(self, batch):
+        x = batch["x"] if self.by_key else batch.x
+        x = x + self.f(x)
+        x = x + self.g(x)
+        return self.h(x)
+
+
+def test_inputs_in_containers_torch_fx_does_not_look_into_are_described():
+    """A dataclass or a mapping that is not a dict (Hugging Face's ``BatchEncoding``, a
+    ``UserDict``) as the input: shape propagation described it as None, so its edges were no
+    data and the analyses counted nothing (0 skips, paths {0: 0}, 0 input bytes). It is
+    described as the dict of what it holds. Oracle: counts by hand, the tensor's bytes."""
+    import dataclasses
+    from collections import UserDict
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+
+    x = torch.randn(2, 8)
+    for batch, by_key in ((Batch(x), False), (UserDict({"x": x}), True)):
+        G = fxnx.convert(_TwoResiduals(by_key).eval(), batch)
+        assert G.graph["capture"] == "symbolic_trace"
+        assert G.graph["inputs"][0]["shape"] == {"x": (2, 8)}
+        assert len(fxnx.skip_connections(G, annotate=False)) == 2
+        assert fxnx.path_length_counts(G) == {0: 1, 1: 2, 2: 1}
+        assert fxnx.memory_profile(G).input_bytes == x.numel() * x.element_size()
+    # make_fx, the last route, would fix a UserDict's tensors in the graph as constants
+    with pytest.raises(fxnx.errors.CaptureError, match="make_fx cannot take an input of type UserDict"):
+        fxnx.convert(_TwoResiduals(True).eval(), UserDict({"x": x}), routes="make_fx")

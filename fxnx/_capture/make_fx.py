@@ -42,11 +42,11 @@ from .._compat import (
     sequence_nr,
 )
 from .._errors import CaptureError, FxnxValueError, first_line
-from .._state import preserved
+from .._state import attributes_kept, preserved
 from .common import FunctionModule, Route, RouteResult, as_module, drawn, draws_varies, quiet
 from .inputs import Inputs
 from .options import CaptureOptions
-from .shapes import metadata_from_values
+from .shapes import container_items, metadata_from_values
 
 __all__ = ["AtenCapture", "ROUTE", "capture_aten", "reads_random_values", "reads_tensor_values"]
 
@@ -92,6 +92,14 @@ def capture_aten(
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    for leaf in leaves:
+        held = container_items(leaf)
+        if held is not None and any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(held)):
+            raise CaptureError(
+                f"make_fx cannot take an input of type {type(leaf).__qualname__}: torch's pytree "
+                "does not look into it, so its tensors would be fixed in the graph as constants, "
+                "with no input for them. Pass its tensors in a dict (dict(batch)) or a tuple"
+            )
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     input_names = _leaf_names(model, args, kwargs or {})
     primal_values = [
@@ -116,7 +124,10 @@ def capture_aten(
         for i, value in zip(slots, primal_list[n_params + n_buffers :], strict=True):
             filled[i] = value
         call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
-        out = functional_call(model, state, tuple(call_args), call_kwargs)
+        # torch's functional_call puts a module registered under two names back with its
+        # weights swapped for the tensors given: every module's tables are given back.
+        with attributes_kept(model):
+            out = functional_call(model, state, tuple(call_args), call_kwargs)
         return pytree.tree_flatten(out)[0]
 
     wrt = [k for k, v in enumerate(primal_values) if v.requires_grad]

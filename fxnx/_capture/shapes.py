@@ -10,6 +10,8 @@ converter reads one kind of metadata whatever captured the graph.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -31,6 +33,7 @@ from .._state import preserved
 from .inputs import device_of
 
 __all__ = [
+    "container_items",
     "metadata_from_values",
     "mutable",
     "node_failure",
@@ -203,12 +206,26 @@ def _record(node: fx.Node, value: Any) -> None:
         if isinstance(obj, torch.Tensor):
             tensors.append(obj)
             return _metadata_of(obj)
+        contents = container_items(obj)
+        if contents is not None:  # described as the dict of what it holds
+            return {k: map_aggregate(v, extract) for k, v in contents.items()}
         return obj
 
     meta = map_aggregate(value, extract)
     if tensors:
         node.meta["tensor_meta"] = meta
     node.meta["type"] = torch.Tensor if is_fake(value) else type(value)
+
+
+def container_items(obj: Any) -> dict[str, Any] | None:
+    """What a container torch.fx does not look into holds, by name: a mapping that is not a
+    dict (a Hugging Face ``BatchEncoding``, a ``UserDict``) or a dataclass instance; None for
+    anything else."""
+    if isinstance(obj, Mapping) and not isinstance(obj, dict):
+        return {str(k): v for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return None
 
 
 def _metadata_of(tensor: torch.Tensor) -> TensorMetadata:

@@ -20,7 +20,7 @@ from typing import Any
 
 import networkx as nx
 
-from .._analysis import cycle_error, skip_connections, topological_order
+from .._analysis import cycle_error, marked, skip_connections, topological_order
 from .._errors import FxnxValueError
 
 #: Calls that test a value and return nothing the model uses (matched on any dotted part of the
@@ -323,16 +323,12 @@ def acyclic(G: nx.MultiDiGraph) -> None:
 
 def view_of(G: nx.MultiDiGraph, depth: int | None, *, fold: bool = True) -> nx.MultiDiGraph:
     """What is drawn of ``G`` at ``depth``, its skip connections marked: the collapsed view,
-    ``G`` itself where it carries the marks already, or else a marked copy. With ``fold``, the parameters
+    or else a copy marked afresh. With ``fold``, the parameters
     that one node alone reads are listed on it (:func:`fold_parameters`);
     coloured by a value, each keeps a node in its own colour."""
-    if depth is not None:
-        view = collapse(G, depth)
-    elif all("branch_role" in data for _, data in G.nodes(data=True)):  # marked already
-        view = G
-    else:  # marked on a copy: drawing never writes into the caller's graph
-        view = G.copy()
-        skip_connections(view)
+    # marked afresh on a copy: marks written before G was edited would be stale, and drawing
+    # never writes into the caller's graph
+    view = collapse(G, depth) if depth is not None else marked(G)
     return listed(view, fold)
 
 
