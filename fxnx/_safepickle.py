@@ -117,7 +117,9 @@ def _scan(data: bytes) -> None:
     that only scalars become dict keys: hashing a deeply nested or
     reference-bombed tuple takes exponential time or overflows the C stack.
     """
-    if data[:1] != b"\x80" or data[1:2] > b"\x04":
+    if data[:1] == b"\x80" and data[1:2] > b"\x04":  # pickle.dump's own default: 5
+        raise UnsafePickleError(f"it is a pickle of protocol {data[1]}, which fxnx's writer never uses")
+    if data[:1] != b"\x80":
         raise GraphFileError("it does not start like a pickle of protocol 2 to 4")
     stack: list[str] = []
     marks: list[int] = []

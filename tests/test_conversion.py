@@ -530,3 +530,15 @@ def test_inputs_in_containers_torch_fx_does_not_look_into_are_described():
     # make_fx, the last route, would fix a UserDict's tensors in the graph as constants
     with pytest.raises(fxnx.errors.CaptureError, match="make_fx cannot take an input of type UserDict"):
         fxnx.convert(_TwoResiduals(True).eval(), UserDict({"x": x}), routes="make_fx")
+
+
+def test_a_traced_torchscript_module_gets_one_error_saying_what_to_do():
+    """``torch.jit.trace``'s module has a compiled forward without a Python signature: conversion
+    raised Python's own ``ValueError: no signature found for <torch.ScriptMethod …>``."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace is deprecated
+        traced = torch.jit.trace(nn.Linear(2, 2), torch.randn(1, 2))
+    with pytest.raises(fxnx.errors.CaptureError, match=r"forward has no Python signature: it is compiled.*before it was compiled"):
+        fxnx.convert(traced, torch.randn(1, 2))

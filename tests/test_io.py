@@ -597,3 +597,14 @@ with atomic_write({str(tmp_path / "g.txt")!r}, "w") as f:
     plain = (tmp_path / "plain").stat().st_mode & 0o777
     assert plain == 0o666 & ~umask
     assert (tmp_path / "g.txt").stat().st_mode & 0o777 == plain
+
+
+def test_a_pickle_of_protocol_five_is_named_as_what_it_is(tmp_path):
+    """``pickle.dump(G, f, protocol=5)`` is a readable pickle, just not one fxnx writes: it was
+    called "truncated or corrupt", which sends the user looking for a broken disk."""
+    G = fxnx.convert(torch.nn.Linear(2, 2), torch.randn(1, 2))
+    path = tmp_path / "g.pkl"
+    with open(path, "wb") as f:
+        pickle.dump(G, f, protocol=5)
+    with pytest.raises(fxnx.errors.UnsafePickleError, match=r"a pickle of protocol 5, which fxnx's writer never uses.*load it with pickle.load"):
+        fxnx.read_pickle(path)

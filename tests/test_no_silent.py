@@ -1837,3 +1837,32 @@ def test_a_generator_the_model_keeps_draws_as_the_model_would(rule):
     router = fxnx.CreditRouter(G, model, rule=rule)
     for _ in range(2):
         assert torch.equal(router(x), twin(x))
+
+
+class _Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x, flag: bool = False, mask=None):
+        h = self.l(x)
+        if flag:
+            h = h * 2
+        if mask is not None:
+            h = h * mask
+        return h
+
+
+@pytest.mark.parametrize("rule", ["exact", "feedback_alignment"])
+def test_a_keyword_given_at_its_default_is_the_call_without_it(rule):
+    """``router(x, mask=None)`` or ``router(x, flag=False)``, G converted from ``model(x)``: the
+    model computes the same either way, but the router refused it, even with rule='exact'
+    (a trace failing on ``if flag``; "G was not converted with input 'mask'"). A keyword at
+    its default binds as one left out. Oracle: the model itself."""
+    torch.manual_seed(0)
+    model, x = _Flagged().double(), torch.randn(2, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    assert sorted(G) == sorted(fxnx.convert(model, x, kwargs={"flag": False, "mask": None}))
+    router = fxnx.CreditRouter(G, model, rule=rule)
+    for kwargs in ({"flag": False}, {"mask": None}, {"flag": False, "mask": None}):
+        assert torch.equal(router(x, **kwargs), model(x, **kwargs))

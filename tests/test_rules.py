@@ -712,3 +712,23 @@ def test_dfa_on_a_linear_layer_with_create_graph_is_the_layer_on_its_input_detac
     assert (grads[0] is None) == (grads[1] is None)
     if grads[0] is not None:
         assert rel_error(grads[0], grads[1]) <= 1e-12
+
+
+def test_direct_feedback_alignment_names_an_output_without_the_batch():
+    """A scalar among the outputs (an auxiliary loss returned beside the logits): direct
+    feedback alignment said the layer's input "first dimension is not the output's batch
+    size (4)", of an input whose first dimension is 4. It names the outputs now."""
+
+    class Aux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.c = nn.Linear(5, 7), nn.Linear(7, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return {"out": self.c(h), "aux": h.sum()}
+
+    model, x = Aux(), torch.randn(4, 5)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"every output tensor must have the batch as its first dimension; the model's outputs have shapes \(4, 3\), \(\)"):
+        router(x.requires_grad_())["out"].sum().backward()

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from .._compat import pytree, view_base
-from .._errors import FxnxTypeError
+from .._errors import CaptureError, FxnxTypeError
 
 __all__ = [
     "FIXED_KWARGS",
@@ -94,7 +94,17 @@ def _bind_inputs(
     graph is then converted without shapes.
     """
     forward = model.forward if isinstance(model, nn.Module) else model
-    sig = inspect.signature(forward)
+    try:
+        sig = inspect.signature(forward)
+    except (ValueError, TypeError):  # a TorchScript module's compiled forward
+        raise CaptureError(
+            f"{qualname(model)}'s forward has no Python signature: it is compiled "
+            "(torch.jit.trace or torch.jit.script), and fxnx captures a model from its Python "
+            "code. Convert the module before it was compiled"
+        ) from None
+    # A keyword given at its default (mask=None, flag=False) is the call without it: bound as
+    # if left out, so it is fixed while tracing as a default is, and G is the same graph.
+    kwargs = {k: v for k, v in kwargs.items() if not _at_default(sig.parameters.get(k), v)}
     required = [
         p
         for p in sig.parameters.values()
@@ -137,6 +147,19 @@ def _bind_inputs(
         name: concrete_args.get(name, bound.arguments.get(name)) for name in sig.parameters
     }
     return Inputs(tuple(args), {**kwargs, **fixed}, arguments, fixed, defaulted)
+
+
+def _at_default(parameter: inspect.Parameter | None, value: Any) -> bool:
+    """Whether ``value`` is ``parameter``'s default: the very object, or an equal number,
+    string or boolean of the same type."""
+    if parameter is None or parameter.kind not in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+        return False
+    default = parameter.default
+    return value is default or (type(value) is type(default) and type(value) in _PLAIN and value == default)
+
+
+#: Values compared with a default by equality: immutable, so an equal one is the same input.
+_PLAIN = (bool, int, float, str)
 
 
 def bind_inputs(

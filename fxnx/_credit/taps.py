@@ -103,6 +103,14 @@ class _Tap(torch.autograd.Function):
         batch = {t.shape[0] if t.dim() else None for t in outs}
         wanted = [isinstance(x, Tensor) and x.requires_grad for x in projected]
         if spec.checked != (batch, shapes, wanted):  # checked once per shape
+            if spec.pairs and (None in batch or len(batch) > 1):
+                raise FxnxValueError(
+                    "direct feedback alignment sends each sample's output error to the layers, "
+                    "so every output tensor must have the batch as its first dimension; the "
+                    f"model's outputs have shapes {', '.join(str(tuple(t.shape)) for t in outs)}. "
+                    "Return a value of the whole batch (an auxiliary loss) apart from the outputs "
+                    "routed, or route with another rule"
+                )
             for (entry, k), x, want in zip(spec.pairs, projected, wanted, strict=True):
                 if want and (x.dim() == 0 or batch != {x.shape[0]}):
                     raise FxnxValueError(

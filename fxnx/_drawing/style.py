@@ -52,6 +52,8 @@ FONT = "Helvetica"
 #: a node's name; its kind, notes and listed parameters, and an edge's shape; a module box's
 #: label and the legend; the note on an opaque node.
 NAME_SIZE, TEXT_SIZE, BOX_SIZE, SMALL_SIZE = 12, 10, 11, 9
+#: The size of the thin empty line between a node's name and what follows.
+GAP_SIZE = 3
 #: Characters a line of the parameters listed on a node may hold, unless one name is longer.
 NAMES_LINE = 26
 #: Characters of a graph's string shown in a label or a node id, and on a line of a tooltip:
@@ -198,7 +200,9 @@ def node_style(
     """
     what = clip(f"{clip(primal.get('kind'))} {clip(primal.get('name'))}") if primal else kind(data)
     name = _title(node, data, boxed)
-    lines = [f"<B>{text(name)}</B>"]
+    # a thin empty line under the name: its underscores (layer1_0_conv1) hang below its
+    # baseline and would touch the next line's capitals, which then look overlined
+    lines = [f'<B>{text(name)}</B><BR/><FONT POINT-SIZE="{GAP_SIZE}"> </FONT>']
     note = what
     if data.get("op") == "module" and data.get("members"):
         note = f"{what} · {clip(data['members'])} ops"
