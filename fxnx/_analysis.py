@@ -15,6 +15,7 @@ from typing import Any
 
 import networkx as nx
 
+from ._contract import explained
 from ._errors import FxnxValueError, GraphContractError
 
 __all__ = [
@@ -265,6 +266,7 @@ def _data_flow(G: nx.MultiDiGraph) -> nx.DiGraph:
     return flow
 
 
+@explained
 def skip_connections(
     G: nx.MultiDiGraph, kinds: str | Collection[str] = RESIDUALS, *, annotate: bool = True
 ) -> list[SkipConnection]:
@@ -521,6 +523,7 @@ def _claim(data: dict[str, Any], key: str, value: str) -> None:
         data[key] = value
 
 
+@explained
 def scope_subgraph(G: nx.MultiDiGraph, scope: str, *, inputs: bool = True) -> nx.MultiDiGraph:
     """The part of ``G`` computed inside module ``scope``: a copy with every attribute.
 
@@ -557,6 +560,7 @@ def scope_subgraph(G: nx.MultiDiGraph, scope: str, *, inputs: bool = True) -> nx
     return G.subgraph(sorted(keep, key=lambda n: G.nodes[n].get("order", 0))).copy()
 
 
+@explained
 def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
     """Key facts about a converted graph, as plain data.
 
@@ -611,6 +615,8 @@ def _peak(profile: Any, G: nx.MultiDiGraph) -> dict[str, Any] | None:
     """The memory peak of ``G``'s pass, or None where the graph has no shapes to count."""
     try:
         p = profile(G)
+    except GraphContractError:
+        raise  # a broken graph, not one without shapes
     except FxnxValueError:
         return None
     if not p.peak_bytes:  # no shapes: nothing to count

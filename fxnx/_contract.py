@@ -12,15 +12,16 @@ This module needs networkx only: graph files are read without torch.
 
 from __future__ import annotations
 
+import functools
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import networkx as nx
 
-from ._errors import GraphContractError
+from ._errors import FxnxError, GraphContractError
 
 __all__ = [
     "Attribute",
@@ -586,3 +587,34 @@ def _describe(kind: str) -> str:
         "kernel or None": "None or a {kernel_size, stride, padding, dilation, groups, "
                           "transposed} dict",
     }.get(kind, "an " + kind if kind[0] in "aeio" else "a " + kind)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def explained(analysis: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:
+    """``analysis(G, ...)``, where it fails on a graph that breaks the contract (a graph read
+    back by networkx alone from JSON or GraphML holds lists or strings where fxnx keeps
+    tuples), raising :func:`validate`'s error, which names the attribute, instead of the
+    Python error deep inside. Errors of fxnx's own, and failures on a valid graph, pass."""
+
+    @functools.wraps(analysis)
+    def checked(G: Any, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return analysis(G, *args, **kwargs)
+        except FxnxError:
+            raise
+        except (TypeError, KeyError, AttributeError, IndexError, ValueError, RecursionError) as err:
+            try:
+                validate(G)
+            except GraphContractError as broken:
+                raise GraphContractError(
+                    f"{analysis.__name__} cannot read G, which is not a graph as fxnx.convert "
+                    f"makes it: {broken}. A graph written and read back by networkx alone "
+                    "(node_link_data, GraphML) loses its tuples: keep it with fxnx's own writers "
+                    "and readers (fxnx.write_json and fxnx.read_json, or the pickle pair)"
+                ) from err
+            raise
+
+    return checked

@@ -14,7 +14,7 @@ from typing import Any
 
 import networkx as nx
 
-from ._contract import EDGE_ATTRIBUTES, NODE_ATTRIBUTES
+from ._contract import EDGE_ATTRIBUTES, NODE_ATTRIBUTES, explained
 from ._errors import PandasNotFoundError
 
 __all__ = ["PandasNotFoundError", "cost_summary", "cost_table", "module_costs", "to_frames"]
@@ -117,6 +117,7 @@ def cost_summary(G: nx.MultiDiGraph) -> dict[str, Any]:
     }
 
 
+@explained
 def cost_table(G: nx.MultiDiGraph, depth: int | None = 3) -> str:
     """A table of what each module costs, with totals, as torchinfo prints one.
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import networkx as nx
 
+from ._contract import explained
 from ._errors import FxnxTypeError, GraphContractError
 
 __all__ = ["MemoryProfile", "memory_profile"]
@@ -177,6 +178,7 @@ class _Storage:
     saved: bool = False
 
 
+@explained
 def memory_profile(G: nx.MultiDiGraph, *, eager: bool = False) -> MemoryProfile:
     """The bytes of live activations at each step of ``G``'s order, and the peak.
 

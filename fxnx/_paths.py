@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from ._analysis import SkipConnection, skip_connections, topological_order
+from ._contract import explained
 from ._errors import FxnxTypeError, FxnxValueError
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["path_length_counts", "path_length_credit"]
 
 
+@explained
 def path_length_counts(G: nx.MultiDiGraph, *, input: str | None = None) -> dict[int, int]:
     """How many input-to-output paths of ``G`` go through exactly ``k`` residual branches.
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import networkx as nx
 
 from ._analysis import topological_order
+from ._contract import explained
 from ._errors import FxnxValueError
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ _POINTWISE_METHODS = {
 _CAT = {"torch.cat", "torch.concat", "torch.concatenate", f"{_ATEN}cat.default"}
 
 
+@explained
 def receptive_fields(
     G: nx.MultiDiGraph, model: nn.Module | None = None, *, input: str | None = None
 ) -> dict[str, ReceptiveField | None]:

@@ -284,3 +284,23 @@ def test_graphml_refuses_a_shape_text_xml_cannot_hold_and_writes_nothing(tmp_pat
     with pytest.raises(fxnx.errors.GraphContractError, match=r"node 'lin' attribute 'out_shape' holds U\+001B"):
         fxnx.write_graphml(G, tmp_path / "g.graphml")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_graph_read_back_by_networkx_alone_gets_the_contracts_error(tmp_path):
+    """A graph through ``nx.node_link_data`` and JSON, or fxnx's GraphML read by
+    ``nx.read_graphml``, has lists or strings where fxnx keeps tuples: ``summary`` and
+    ``memory_profile`` failed with ``TypeError: 'int' object is not iterable``, ``cost_table``
+    on the GraphML one with an ``AttributeError``, none saying what was wrong. They raise the contract's error
+    now, naming the attribute and what to do."""
+    import json
+
+    G = fxnx.convert(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4))
+    data = json.loads(json.dumps(nx.node_link_data(G, edges="links")))
+    linked = nx.node_link_graph(data, edges="links", multigraph=True, directed=True)
+    fxnx.write_graphml(G, tmp_path / "g.graphml")
+    read = nx.read_graphml(tmp_path / "g.graphml", force_multigraph=True)
+    for H, analyses in ((linked, (fxnx.summary, fxnx.memory_profile)),
+                        (read, (fxnx.summary, fxnx.memory_profile, fxnx.frames.cost_table))):
+        for analysis in analyses:
+            with pytest.raises(fxnx.errors.GraphContractError, match=r"cannot read G.*'inputs' must be a list.*fxnx.read_json"):
+                analysis(H)

@@ -12,6 +12,7 @@ from typing import Any
 import networkx as nx
 
 from .._analysis import topological_order
+from .._contract import explained
 from .._errors import FxnxTypeError, FxnxValueError
 from .estimate import beside_consumers
 from .style import (
@@ -30,6 +31,7 @@ from .style import (
 from .view import acyclic, module_path, view_of, without_checks
 
 
+@explained
 def to_pydot(
     G: nx.MultiDiGraph,
     *,
