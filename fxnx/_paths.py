@@ -103,9 +103,13 @@ def path_length_credit(
     The terms add up to the exact input credit (:func:`~fxnx.route_credit`'s,
     autograd's): ``sum(path_length_credit(G, model, x).values())``. The forward pass
     is the model's; only which branches carry credit back differs between terms:
-    term ``k`` is the sum, over every set ``S`` of ``k`` skip connections, of the
-    credit routed back with, at each skip connection, its skip cut if it is in ``S``
-    and its residual branches cut if it is not (the paths through exactly ``S``).
+    term ``k`` is the credit of the paths that pass exactly ``k`` residual branches.
+    Where the skip connections follow one another (none inside another's branch), that
+    is the sum, over every set ``S`` of ``k`` skip connections, of the credit routed
+    back with, at each skip connection, its skip cut if it is in ``S`` and its residual
+    branches cut if it is not. (Where one lies inside another's residual branch, a path
+    along the outer skip passes neither of the inner one's branches, and that sum would
+    count it once for each way of cutting the inner one.)
 
     The terms are found in one routing run, exactly: credit is linear, so it is
     routed for ``n + 1`` copies of the batch at once (``n`` skip connections), copy

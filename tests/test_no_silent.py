@@ -1866,3 +1866,74 @@ def test_a_keyword_given_at_its_default_is_the_call_without_it(rule):
     router = fxnx.CreditRouter(G, model, rule=rule)
     for kwargs in ({"flag": False}, {"mask": None}, {"flag": False, "mask": None}):
         assert torch.equal(router(x, **kwargs), model(x, **kwargs))
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return {"logits": self.a(x), "aux": self.b(x)}
+
+
+def test_output_credit_for_a_dict_output_is_matched_by_key():
+    """``output_credit={"aux": zeros, "logits": ones}`` for an output ``{"logits", "aux"}`` was
+    paired by position (pytree flattens a dict in its own order): each credit went to the
+    other output, ``a.bias`` 0 and ``b.bias`` 2 where autograd gives 2 and 0, and unknown keys
+    passed. Oracle: autograd with the credits by key."""
+    torch.manual_seed(0)
+    model, x = _TwoHeads().double(), torch.randn(2, 4, dtype=torch.float64)
+    G = fxnx.convert(model, x)
+    credit = {"aux": torch.zeros(2, 3, dtype=torch.float64), "logits": torch.ones(2, 3, dtype=torch.float64)}
+    out = model(x)
+    want = torch.autograd.grad([out["logits"], out["aux"]], [model.a.bias, model.b.bias],
+                               [credit["logits"], credit["aux"]])
+    res = fxnx.route_credit(G, model, x, output_credit=credit)
+    assert torch.equal(res.param_credit["a.bias"], want[0]) and torch.equal(res.param_credit["b.bias"], want[1])
+    router = fxnx.CreditRouter(G, model)
+    router(x)
+    got = router.backward(output_credit=credit)
+    assert torch.equal(got.param_credit["a.bias"], want[0]) and torch.equal(got.param_credit["b.bias"], want[1])
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"output_credit has keys 'bar', 'foo', the output 'aux', 'logits'"):
+        fxnx.route_credit(G, model, x, output_credit={"foo": credit["aux"], "bar": credit["logits"]})
+    with pytest.raises(fxnx.errors.FxnxValueError, match=r"output_credit must be a mapping with the output's keys"):
+        fxnx.route_credit(G, model, x, output_credit=(credit["logits"], credit["aux"]))
+
+
+class _ReturnsItsScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.randn(2, 3))
+        self.W = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x):
+        return torch.tanh(self.l(x) @ self.W + self.scale), self.scale
+
+
+def test_credit_results_and_grads_share_no_memory_with_each_other_or_the_callers_tensors():
+    """``router.backward(..., node_credit=True)`` kept a node's credit as the very tensor autograd
+    then made a parameter's ``.grad`` (a weight read as a value, ``h @ W``; a parameter added
+    unchanged): clipping or a second backward rewrote the result. A parameter the model returns
+    took the caller's output credit itself as its ``.grad``, so ``zero_grad`` zeroed the
+    caller's tensor. ``route_credit`` gave a node and a parameter one tensor. Each is its own
+    now. Oracle: the values before and after writing into every other tensor."""
+    torch.manual_seed(0)
+    model, x = _ReturnsItsScale(), torch.randn(2, 4)
+    G = fxnx.convert(model, x)
+    credit = (torch.randn(2, 3), torch.randn(2, 3))
+    kept = [c.clone() for c in credit]
+    router = fxnx.CreditRouter(G, model, node_credit=True)
+    router(x)
+    res = router.backward(output_credit=credit, node_credit=True)
+    saved = {n: c.clone() for n, c in res.node_credit.items() if isinstance(c, torch.Tensor)}
+    model.zero_grad(set_to_none=False)  # writes into every .grad
+    assert all(torch.equal(a, b) for a, b in zip(credit, kept, strict=True))
+    assert all(torch.equal(res.node_credit[n], c) for n, c in saved.items())
+    res = fxnx.route_credit(G, model, x, output_credit=credit)
+    params = {n: c.clone() for n, c in res.param_credit.items()}
+    for c in res.node_credit.values():
+        if isinstance(c, torch.Tensor):
+            c.zero_()
+    assert all(torch.equal(res.param_credit[n], c) for n, c in params.items())

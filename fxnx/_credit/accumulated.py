@@ -78,7 +78,10 @@ def accumulated(
 
     def keep(at: int) -> Any:
         def hook(g: Tensor) -> None:
-            got[at] = g
+            # its own copy: autograd may hand on this very tensor (a parameter's .grad takes it
+            # where the value is the parameter itself, or the caller's output credit passes
+            # through unchanged), and a later write into either would change the credit
+            got[at] = g.detach().clone()
         return hook
 
     def keep_own(at: int) -> Any:  # a parameter's hooks run in every thread's backward pass
@@ -104,6 +107,12 @@ def accumulated(
     finally:
         for handle in handles:
             handle.remove()
+    # A parameter the credit reaches unchanged (one the model returns) can take the caller's
+    # tensor itself as its .grad, where plain autograd gives it a copy: it gets a copy too.
+    given = {g.untyped_storage().data_ptr() for g in grads or () if isinstance(g, Tensor)}
+    for p in params.values() if given else ():
+        if p.grad is not None and p.grad.untyped_storage().data_ptr() in given:
+            p.grad = p.grad.clone()
     param_credit = {name: got[i] for i, name in enumerate(params) if i in got}
     return _credit_at(places, got.get), param_credit
 

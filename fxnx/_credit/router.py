@@ -975,6 +975,29 @@ def _preset(rule: Any) -> Preset:
     )
 
 
+def _by_key(output: Any, given: Any, where: str) -> Any:
+    """``given`` with each mapping's entries in the order of the output's keys (pytree flattens
+    a dict in its own order, so ``{"aux": ..., "logits": ...}`` would pair with the outputs by
+    position, each credit on the other's output), and a mapping required where the output has
+    one; lists and tuples as they are."""
+    if isinstance(output, Mapping):
+        if not isinstance(given, Mapping):
+            raise FxnxValueError(
+                f"{where} must be a mapping with the output's keys ({', '.join(map(repr, output))}), "
+                f"got {type(given).__qualname__}"
+            )
+        if set(given) != set(output):
+            raise FxnxValueError(
+                f"{where} has keys {', '.join(sorted(map(repr, given)))}, the output "
+                f"{', '.join(sorted(map(repr, output)))}: "
+                "give one credit per output, by its key (None for no credit)"
+            )
+        return {k: _by_key(v, given[k], f"{where}[{k!r}]") for k, v in output.items()}
+    if isinstance(output, (list, tuple)) and isinstance(given, (list, tuple)) and len(output) == len(given):
+        return [_by_key(o, g, f"{where}[{i}]") for i, (o, g) in enumerate(zip(output, given, strict=True))]
+    return given
+
+
 def output_credit_like(output: Any, given: Any) -> list[Any]:
     """``given`` checked against the output's structure and shapes, as one credit per leaf of
     ``output`` (``tree_flatten`` order); None means ones."""
@@ -992,7 +1015,7 @@ def output_credit_like(output: Any, given: Any) -> list[Any]:
             for t in pytree.tree_leaves(output)
         ]
     out_flat, spec = pytree.tree_flatten(output)
-    given_flat, given_spec = pytree.tree_flatten(given)
+    given_flat, given_spec = pytree.tree_flatten(_by_key(output, given, "output_credit"))
     if len(out_flat) != len(given_flat):
         raise FxnxValueError(
             f"output_credit must have the structure of the model's output ({spec}), "
