@@ -44,6 +44,7 @@ __all__ = [
     "linear_parameters",
     "own_buffers",
     "own_tables",
+    "uncompiled",
     "graph_module",
     "is_fake",
     "make_fx_following_values",
@@ -65,6 +66,12 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "torch.nn.functional._canonical_mask, torch.nn.functional._none_or_dtype",
         "tracing into torch.nn's transformer layers called with masks: recorded as calls",
         "a torch.nn transformer composite called with masks is kept whole (opaque)",
+    ),
+    (
+        "torch.compile's OptimizedModule._orig_mod (uncompiled)",
+        "conversion compares each graph with the model it wraps, not the compiled module, "
+        "whose first call compiles it (a resnet18: 27 s)",
+        "a torch.compile'd model is compiled when converted, as when first called",
     ),
     (
         "torch.utils._pytree",
@@ -534,6 +541,13 @@ def _own_linear_forward() -> Any:
 _LINEAR_FORWARD = _own_linear_forward()
 #: Where torch keeps the hook tables for every module.
 _MODULE_TABLES = torch.nn.modules.module
+
+
+def uncompiled(model: Any) -> Any:
+    """The module a ``torch.compile``'d one wraps (it computes what that module computes), or
+    ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def own_tables(module: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -49,6 +49,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ._callinfo import fetch_attr
 from ._capture import TRACING_LOCK
+from ._capture.ladder import WITH_OUTPUT
 from ._capture.shapes import _ShapeProp
 from ._capture.shapes import propagate as propagate_shapes
 from ._capture.tracer import mha_fast_path_off
@@ -329,6 +330,9 @@ def propagate_and_count(
         # raises again if counting was not the cause
         return None, propagate_shapes(gm, model, inputs, fake)
     return counting.counts, output
+
+
+setattr(propagate_and_count, WITH_OUTPUT, True)  # noqa: B010  (the ladder compares the output)
 
 
 # --- FLOPs from shapes --------------------------------------------------------------------------

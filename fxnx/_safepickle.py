@@ -34,6 +34,12 @@ def load(data: bytes, name: str) -> nx.MultiDiGraph:
     GraphFileError
         Truncated, corrupt, expanding far beyond its size, or not a graph.
     """
+    if data[:2] == b"\x80\x05":
+        raise GraphFileError(
+            f"{name} is a pickle of protocol 5, which fxnx's writer never uses: a file "
+            "pickle.dump wrote, not fxnx.write_pickle. Nothing in it was run; if you trust its "
+            "author, load it with pickle.load yourself"
+        )
     try:
         _scan(data)
         record = _GraphUnpickler(io.BytesIO(data)).load()
@@ -117,9 +123,7 @@ def _scan(data: bytes) -> None:
     that only scalars become dict keys: hashing a deeply nested or
     reference-bombed tuple takes exponential time or overflows the C stack.
     """
-    if data[:1] == b"\x80" and data[1:2] > b"\x04":  # pickle.dump's own default: 5
-        raise UnsafePickleError(f"it is a pickle of protocol {data[1]}, which fxnx's writer never uses")
-    if data[:1] != b"\x80":
+    if data[:1] != b"\x80" or data[1:2] > b"\x04":
         raise GraphFileError("it does not start like a pickle of protocol 2 to 4")
     stack: list[str] = []
     marks: list[int] = []

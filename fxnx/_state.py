@@ -33,7 +33,8 @@ def preserved(model: Any) -> Iterator[None]:
     """Restore buffers (BatchNorm running stats, ``num_batches_tracked``), the contents of
     the dicts and lists modules keep as attributes (caches, such as timm LeViT's attention
     biases, filled on a first call in eval mode), the state of random generators they keep
-    (``torch.Generator``), torch's CPU random state and Python's ``random`` state when the
+    (``torch.Generator``), the values of tensors they keep as plain attributes, torch's CPU
+    random state and Python's ``random`` state when the
     block ends, so running the model inside it changes nothing the
     user sees; buffers nothing wrote are not touched at all. (Attributes a forward sets:
     :func:`attributes_kept`.)
@@ -117,18 +118,29 @@ _GET_OWN = operator.itemgetter(*_OWN_DICTS)
 
 def _caches(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
     """Each dict and list one of ``modules`` holds as an attribute, with a copy of its
-    contents, and each random generator (``torch.Generator``), with its state."""
+    contents, each random generator (``torch.Generator``), with its state, and each plain
+    tensor attribute (not a buffer, ``self.mean``, updated in place by a forward), with its
+    values."""
     found = []
     for m in modules:
         own = vars(m)
         kinds = list(map(type, own.values()))
         if (kinds.count(dict) + kinds.count(list) == len(_OWN_DICTS) and torch.Generator not in kinds
-                and _own_tables_plain(own)):
+                and torch.Tensor not in kinds and _own_tables_plain(own)):
             continue  # nn.Module's own tables alone (most modules): checked in C
-        found += [(value, value.get_state() if type(value) is torch.Generator else type(value)(value))
-                  for name, value in own.items()
-                  if name not in _TABLES and type(value) in (dict, list, torch.Generator)]
+        found += [(value, _kept(value)) for name, value in own.items()
+                  if name not in _TABLES and (type(value) in (dict, list, torch.Generator) or isinstance(value, torch.Tensor))]
     return found
+
+
+def _kept(value: Any) -> Any:
+    """What :func:`_refill` gives back: a generator's state, a tensor's values, a dict's or
+    list's contents."""
+    if type(value) is torch.Generator:
+        return value.get_state()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return type(value)(value)
 
 
 def _own_tables_plain(own: dict[str, Any]) -> bool:
@@ -145,6 +157,10 @@ def _refill(caches: list[tuple[Any, Any]]) -> None:
     for value, old in caches:
         if type(value) is torch.Generator:
             value.set_state(old)
+        elif isinstance(value, torch.Tensor):
+            if not value.is_meta and not torch.equal(value, old):
+                with torch.no_grad():
+                    value.copy_(old)
         elif type(value) is dict:
             if value.keys() != old.keys() or any(value[k] is not v for k, v in old.items()):
                 value.clear()

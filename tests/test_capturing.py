@@ -8,6 +8,7 @@ options are plain data), and the route modules themselves (the registry).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import json
 import pickle
@@ -462,3 +463,110 @@ def test_autocast_in_the_forward_is_captured_by_a_route_that_records_it():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         G2 = fxnx.convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), x)
     assert G2.graph["capture"] == "symbolic_trace" and G2.nodes["_0"]["out_dtype"] == "torch.bfloat16"
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.mean = torch.zeros(4)  # a plain tensor attribute, updated in place
+
+    def forward(self, x):
+        self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        x.sub_(0.5).div_(0.5)  # normalises its input in place
+        return self.l(x) - self.mean
+
+
+class _GradModeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.l(x)
+        if torch.is_grad_enabled():  # the path model(x) takes when called
+            h = h + 0.1 * torch.tanh(h)
+        return h
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x, mask):
+        return self.enc(x, src_key_padding_mask=mask)
+
+
+def test_a_faithful_graph_is_taken_however_the_model_runs():
+    """The comparison of each graph with the model must run the model as the graph was made
+    and propagated: on the inputs as given (a forward that writes into its input had written
+    into them already), with gradients on as a call runs (a branch on
+    ``torch.is_grad_enabled()``), with the fused attention fast path off (eval-mode
+    ``TransformerEncoder`` with a padding mask), its plain tensor attributes as they were. A
+    first version of it rejected each of these faithful symbolic traces (0.97, 0.072, 0.5,
+    0.07 off) and left ``model.mean`` written six times. Oracle: the model's own output."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    for model, inputs in ((_WritesItsInput().eval(), (torch.randn(3, 4),)), (_GradModeBranch(), (torch.randn(3, 4),)),
+                          (_Encoder().eval(), (x, mask))):
+        given = [t.clone() for t in inputs]
+        state = {n: v.clone() for n, v in vars(model).items() if isinstance(v, torch.Tensor)}
+        G = fxnx.convert(model, *inputs)
+        assert G.graph["capture"] == "symbolic_trace" and not G.graph["capture_failures"], type(model).__name__
+        assert all(torch.equal(a, b) for a, b in zip(inputs, given, strict=True))
+        assert all(torch.equal(getattr(model, n), v) for n, v in state.items())
+        cap = reuse.recapture(G, model, inputs, None)
+        got = cap.gm(*[t.clone() for t in given])
+        for n, v in state.items():  # as before the graph's run
+            getattr(model, n).copy_(v)
+        assert torch.allclose(got, model(*[t.clone() for t in given]), atol=1e-6)
+
+
+def test_a_propagation_of_ones_own_is_kept_as_it_returns_it():
+    """``capture(propagate=fn)``: what ``fn`` returns is ``Capture.propagation`` (a first version
+    of the comparison with the model took a pair from it, and a dict became its first key)."""
+    found = {"nodes": 4, "calls": 2}
+    cap = fxnx.capture(nn.Sequential(nn.Linear(4, 4)), (torch.randn(2, 4),), propagate=lambda gm, model, values, fake: found)
+    assert cap.propagation is found
+
+
+class _AliasIntoDataclass(_AddedIntoAnAlias):
+    def forward(self, x):
+        return _Out(super().forward(x))
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _In:
+    x: torch.Tensor
+    unset: int = dataclasses.field(init=False)
+
+
+class _ReadsIn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, batch):
+        return self.l(batch.x)
+
+
+def test_an_output_in_a_container_pytree_does_not_open_is_compared_too():
+    """A dataclass output holds no tensor pytree sees: the comparison of the graph with the
+    model compared nothing, and the trace of ``h += y`` with an alias was taken (the wrong
+    edge in G, a feedback router 0.69 off the model). Its fields are compared. (A dataclass
+    input with a field left unset is described without it, not a bare AttributeError.)"""
+    torch.manual_seed(0)
+    model, x = _AliasIntoDataclass(), torch.randn(3, 4)
+    G = fxnx.convert(model, x)
+    assert G.graph["capture"] != "symbolic_trace"
+    assert "does not compute what the model computes" in G.graph["capture_failures"]["symbolic_trace"]
+    G = fxnx.convert(_ReadsIn(), _In(x))
+    assert G.graph["inputs"][0]["shape"] == {"x": (3, 4)}

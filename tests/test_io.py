@@ -606,5 +606,5 @@ def test_a_pickle_of_protocol_five_is_named_as_what_it_is(tmp_path):
     path = tmp_path / "g.pkl"
     with open(path, "wb") as f:
         pickle.dump(G, f, protocol=5)
-    with pytest.raises(fxnx.errors.UnsafePickleError, match=r"a pickle of protocol 5, which fxnx's writer never uses.*load it with pickle.load"):
+    with pytest.raises(fxnx.errors.GraphFileError, match=r"is a pickle of protocol 5, which fxnx's writer never uses: a file pickle.dump wrote.*load it with pickle.load"):
         fxnx.read_pickle(path)

@@ -1937,3 +1937,49 @@ def test_credit_results_and_grads_share_no_memory_with_each_other_or_the_callers
         if isinstance(c, torch.Tensor):
             c.zero_()
     assert all(torch.equal(res.param_credit[n], c) for n, c in params.items())
+
+
+def _config_defaults(forward):
+    """A keyword left out takes the model's config value (Hugging Face's pattern)."""
+
+    @functools.wraps(forward)
+    def wrapper(self, x, **kwargs):
+        kwargs.setdefault("scale", self.config_scale)
+        return forward(self, x, **kwargs)
+
+    return wrapper
+
+
+class _ConfigScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.config_scale = 2.0
+
+    @_config_defaults
+    def forward(self, x, scale: float = 1.0):
+        return self.l(x) * scale
+
+
+def test_a_keyword_at_the_default_a_wrapped_forward_shows_is_kept():
+    """Where ``forward`` is wrapped, the default its signature shows is the inner function's:
+    a keyword given at it was dropped, and the wrapper filled in another value (the router
+    2.0x the model). Nothing is dropped there. Oracle: the model itself."""
+    torch.manual_seed(0)
+    model, x = _ConfigScaled(), torch.randn(2, 4)
+    G = fxnx.convert(model, x, kwargs={"scale": 1.0})
+    router = fxnx.CreditRouter(G, model, node_credit=True)
+    assert torch.equal(router(x, scale=1.0), model(x, scale=1.0))
+
+
+def test_a_hook_setting_the_weight_of_a_layer_called_whole_is_not_warned_about():
+    """The hook-based weight norm sets ``weight`` in a pre-hook of the layer; the graph calls
+    the layer whole, so its runs set it too: the router's warning that the forward sets an
+    attribute no run of the graph sets was false there."""
+    model = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 4)), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        router(x)

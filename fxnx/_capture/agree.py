@@ -18,46 +18,64 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import pytree
+from .._compat import pytree, uncompiled
 from .._state import attributes_kept, preserved
-from .inputs import Inputs
+from .inputs import Inputs, copied_inputs
+from .shapes import container_items
+from .tracer import mha_fast_path_off
 
-__all__ = ["computes_another", "differs", "tensors"]
+__all__ = ["computes_another", "differs", "saves_nothing", "tensors"]
 
 
 def tensors(value: Any) -> list[Tensor]:
-    """The tensors among the leaves of ``value`` (pytree order)."""
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor)]
+    """The tensors among the leaves of ``value`` (pytree order), those of containers pytree does
+    not look into (a dataclass, a mapping that is not a dict) included."""
+    found: list[Tensor] = []
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, Tensor):
+            found.append(leaf)
+        elif (held := container_items(leaf)) is not None:
+            found.extend(tensors(held))
+    return found
 
 
 def computes_another(model: Any, inputs: Inputs, concrete: Mapping[str, Any], output: Any) -> str | None:
     """Where ``output``, a captured graph's on ``inputs`` (shape propagation's run), differs
     from ``model`` called on ``inputs`` and the ``concrete_args`` the graph fixed, in words, or
-    None (they agree, or the model itself fails on them: nothing to compare).
+    None: they agree, the model itself fails on them, or neither holds a tensor to compare.
 
-    The model runs as shape propagation ran the graph: without gradients (with them where
-    the model fails without: a forward calling ``retain_grad``), on a copy of the inputs (a
-    model may write into them), from the random state the propagation began in, and it
-    leaves no trace on the model, its attributes, its buffers or the random state
+    The model runs as it runs when called: with gradients (saving nothing for a backward), a
+    forward branching on ``torch.is_grad_enabled()`` taking the branch the trace took; with
+    torch's fused attention fast path off, as the graph was propagated; on a copy of the
+    inputs (a model may write into them); from the random state the propagation began in;
+    leaving no trace on the model, its attributes, its buffers or the random state
     (:func:`~fxnx._state.preserved`, :func:`~fxnx._state.attributes_kept`).
     """
-    args, kwargs = _copied(inputs.args), {**_copied(inputs.kwargs), **concrete}
+    call = copied_inputs(inputs)
+    assert call is not None
+    model = uncompiled(model)  # a torch.compile'd one would be compiled by its first call
     try:
-        with preserved(model), attributes_kept(model), torch.no_grad():
-            want = model(*args, **kwargs)
+        with preserved(model), attributes_kept(model), torch.enable_grad(), mha_fast_path_off(), \
+                saves_nothing():
+            want = _detached(model(*call.args, **call.kwargs, **concrete))
     except Exception:
-        args, kwargs = _copied(inputs.args), {**_copied(inputs.kwargs), **concrete}
-        try:
-            with preserved(model), attributes_kept(model), torch.enable_grad():
-                want = _detached(model(*args, **kwargs))
-        except Exception:
-            return None  # the ladder's other checks speak for a model that fails
+        return None  # the ladder's other checks speak for a model that fails
     return differs(output, want)
 
 
-def _copied(value: Any) -> Any:
-    return pytree.tree_map(
-        lambda v: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, Tensor) else v, value)
+def saves_nothing() -> torch.autograd.graph.saved_tensors_hooks:
+    """Autograd saves no tensor for a backward inside the block: for runs of the model compared
+    with a graph, with gradients on as the model runs when called, which never go back (nor
+    save into a checkpoint around them)."""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _dropped)
+
+
+def _drop(t: Tensor) -> None:
+    """Pack nothing."""
+
+
+def _dropped(packed: None) -> Tensor:
+    raise AssertionError("a comparison run of the model has no backward pass")
 
 
 def _detached(value: Any) -> Any:

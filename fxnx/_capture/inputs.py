@@ -25,6 +25,7 @@ __all__ = [
     "FIXED_KWARGS",
     "Inputs",
     "bind_inputs",
+    "copied_inputs",
     "device_of",
     "empty_inputs",
     "placeholder_values",
@@ -103,8 +104,11 @@ def _bind_inputs(
             "code. Convert the module before it was compiled"
         ) from None
     # A keyword given at its default (mask=None, flag=False) is the call without it: bound as
-    # if left out, so it is fixed while tracing as a default is, and G is the same graph.
-    kwargs = {k: v for k, v in kwargs.items() if not _at_default(sig.parameters.get(k), v)}
+    # if left out, so it is fixed while tracing as a default is, and G is the same graph. Not
+    # where forward is wrapped: the default its signature shows is the inner function's, and
+    # the wrapper may fill a keyword left out with another value.
+    if getattr(forward, "__wrapped__", None) is None:
+        kwargs = {k: v for k, v in kwargs.items() if not _at_default(sig.parameters.get(k), v)}
     required = [
         p
         for p in sig.parameters.values()
@@ -155,7 +159,8 @@ def _at_default(parameter: inspect.Parameter | None, value: Any) -> bool:
     if parameter is None or parameter.kind not in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
         return False
     default = parameter.default
-    return value is default or (type(value) is type(default) and type(value) in _PLAIN and value == default)
+    return value is default or (type(value) is type(default) and type(value) in _PLAIN and value == default
+                                and str(value) == str(default))  # -0.0 is not 0.0
 
 
 #: Values compared with a default by equality: immutable, so an equal one is the same input.
@@ -173,7 +178,7 @@ def bind_inputs(
     """The example inputs bound to ``forward``, every tensor copied (see :func:`capture`)
     unless ``copy`` is false (a call that is the model's own forward)."""
     bound = _bind_inputs(model, args, dict(kwargs or {}), concrete_args or {})
-    return _copied(bound) if copy else bound
+    return copied_inputs(bound) if copy else bound
 
 
 def placeholder_values(inputs: Inputs | None, gm: fx.GraphModule, level: str) -> list[Any] | None:
@@ -202,7 +207,7 @@ def placeholder_values(inputs: Inputs | None, gm: fx.GraphModule, level: str) ->
     return values
 
 
-def _copied(inputs: Inputs | None) -> Inputs | None:
+def copied_inputs(inputs: Inputs | None) -> Inputs | None:
     """The inputs with every tensor copied once (meta and fake tensors copy for free).
 
     A tensor passed twice stays one tensor, and inputs that share memory (``x`` and ``x[0]``)

@@ -33,7 +33,15 @@ from .._errors import (
 from .._state import attributes_kept, preserved
 from .agree import computes_another
 from .common import alone, as_module
-from .inputs import Inputs, bind_inputs, device_of, empty_inputs, placeholder_values, qualname
+from .inputs import (
+    Inputs,
+    bind_inputs,
+    copied_inputs,
+    device_of,
+    empty_inputs,
+    placeholder_values,
+    qualname,
+)
 from .make_fx import AtenCapture, capture_aten
 from .options import CaptureOptions, LeafSpec, check_level, concrete_items, leaf_names
 from .registry import ROUTE_NAMES, ROUTES
@@ -171,9 +179,9 @@ def capture(
         failure (in ``failures``), and the next route is tried. A function
         ``propagate(gm, model, values, fake)`` propagates instead of
         :func:`~fxnx._capture.shapes.propagate` (raising ``ShapePropagationError`` as it
-        does) and returns what it found, which is ``Capture.propagation``, and the graph's
-        output. A graph whose output on real inputs differs from the model's is that
-        route's failure too (:mod:`fxnx._capture.agree`).
+        does); what it returns is ``Capture.propagation``. With fxnx's own propagation, a
+        graph whose output on real inputs differs from the model's is that route's failure
+        too (:mod:`fxnx._capture.agree`).
     input_shape : shape or list of shapes, optional
         Instead of example inputs: the shape of each positional input, made as
         empty tensors of ``dtype`` on the model's device.
@@ -314,7 +322,7 @@ def _capture(
         options, level, aten, specialised = options.captured("graph_module", ()), "module", None, False
         values = placeholder_values(inputs, gm, level)
         if propagate and values is not None:
-            propagation, _ = _propagator(propagate)(gm, model, values, fake)
+            propagation, _ = _propagated(propagate, gm, model, values, fake)
     else:
         name, result, failures, propagation = _ladder(model, inputs, options, fake, propagate)
         gm, aten, specialised, varies = result.gm, result.aten, result.shape_specialised, result.varies
@@ -380,6 +388,9 @@ def _ladder(
     failures: list[tuple[str, str]] = []
     errors: list[Exception] = []
     failed: list[ShapePropagationError] = []  # graphs that failed shape propagation
+    # The inputs as given: a forward that writes into its inputs (x.sub_(0.5)) wrote into those
+    # a route ran, so each graph and the model it is compared with run on a copy of these.
+    given = copied_inputs(inputs)
     for name in options.routes:
         route = ROUTES[name]
         try:
@@ -390,11 +401,11 @@ def _ladder(
                 result = route.run(model, inputs, options, fake)
             propagation = None
             if propagate and result.aten is None:
-                values = placeholder_values(inputs, result.gm, route.level)
+                values = placeholder_values(copied_inputs(given), result.gm, route.level)
                 if values is not None:
-                    propagation, output = _propagator(propagate)(result.gm, model, values, fake)
+                    propagation, output = _propagated(propagate, result.gm, model, values, fake)
                     if not changed:  # else the graph is that call's, as the warning below says
-                        _check_computes_the_model(model, result, inputs, options, output, fake)
+                        _check_computes_the_model(model, result, given, options, output, fake)
         except CaptureError as err:
             failures.append((name, first_line(err)))
             errors.append(err)
@@ -446,17 +457,30 @@ def _ladder(
     raise CaptureError("\n".join(lines)) from errors[-1]
 
 
-#: A shape propagation: ``propagate(gm, model, values, fake)`` returns what it found (which
-#: becomes ``Capture.propagation``) and the graph's output; it raises ShapePropagationError.
-Propagator = Callable[[fx.GraphModule, Any, list[Any], bool], tuple[Any, Any]]
+#: A shape propagation: ``propagate(gm, model, values, fake)``, raising ShapePropagationError;
+#: what it returns is ``Capture.propagation``.
+Propagator = Callable[[fx.GraphModule, Any, list[Any], bool], Any]
+
+#: The attribute that marks fxnx's own propagations, which return ``(what they found, the
+#: graph's output)``: the output is compared with the model's (:mod:`.agree`).
+WITH_OUTPUT = "fxnx_returns_output"
 
 
-def _propagator(propagate: bool | Propagator) -> Propagator:
-    return propagate if callable(propagate) else _shapes_only
+def _propagated(
+    propagate: bool | Propagator, gm: fx.GraphModule, model: Any, values: list[Any], fake: bool,
+) -> tuple[Any, Any]:
+    """What ``propagate`` found and the graph's output (:data:`NO_OUTPUT` where a caller's own
+    propagation does not say it)."""
+    if not callable(propagate):
+        return None, propagate_shapes(gm, model, values, fake)
+    if getattr(propagate, WITH_OUTPUT, False):
+        found, output = propagate(gm, model, values, fake)
+        return found, output
+    return propagate(gm, model, values, fake), NO_OUTPUT
 
 
-def _shapes_only(gm: fx.GraphModule, model: Any, values: list[Any], fake: bool) -> tuple[None, Any]:
-    return None, propagate_shapes(gm, model, values, fake)
+#: The graph's output where a propagation of the caller's does not give it: nothing compared.
+NO_OUTPUT = object()
 
 
 def _not_one_graph(model: Any, route: str, err: Exception) -> str:
@@ -476,17 +500,17 @@ def _check_computes_the_model(
     model: Any, result: Any, inputs: Inputs | None, options: CaptureOptions, output: Any, fake: bool,
 ) -> None:
     """Fail the route whose graph computes another output than the model on the example inputs
-    (real ones: fake and ``meta`` values hold nothing to compare), so the ladder goes on to the
-    next route (:mod:`.agree`). A graph already known to be one call's (``varies``, or a model
+    (real ones on the CPU: fake and ``meta`` values hold nothing to compare, and another
+    device's random generators are not restored between the two runs), so the ladder goes on
+    to the next route (:mod:`.agree`). A graph already known to be one call's (``varies``, or a model
     that changed itself while captured: both warned about) is left to that warning."""
-    if fake or inputs is None or result.varies or device_of(model).type == "meta":
-        return
+    if fake or inputs is None or result.varies or output is NO_OUTPUT or device_of(model).type != "cpu":
+        return  # (on another device, its random generators are not restored between the runs)
     why = computes_another(model, inputs, dict(options.concrete_args), output)
     if why is not None:
         raise CaptureError(
             f"its graph does not compute what the model computes on the example inputs ({why}): "
-            "the trace recorded another computation (a write in place into a value an alias "
-            "reads afterwards, h += y, or a Python value fixed while tracing)"
+            "the trace recorded another computation than the model's"
         )
 
 

@@ -223,8 +223,8 @@ def container_items(obj: Any) -> dict[str, Any] | None:
     anything else."""
     if isinstance(obj, Mapping) and not isinstance(obj, dict):
         return {str(k): v for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # fields set, that is
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if hasattr(obj, f.name)}
     return None
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._capture import TRACING_LOCK
+from .._capture.agree import saves_nothing
 from .._capture.fingerprint import Fingerprints, structure
 from .._capture.inputs import bind_inputs, qualname
 from .._capture.ladder import Capture
@@ -664,12 +665,12 @@ class CreditRouter(nn.Module):
         spy, changed = TensorHooks(), list[list[str]]()
         try:  # with gradients, as the model runs when called (if h.requires_grad: h.register_hook),
             # saving nothing for a backward that never comes (nor into a checkpoint around us)
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped), spy:
+            with torch.enable_grad(), saves_nothing(), spy:
                 eager = pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, run_model(changed))
         except Exception:  # the graph runs where the model does not: nothing to compare
             eager = _NOT_RUN
         rebuild = None if eager is _NOT_RUN else rebuilt_as(seen.output, eager)
-        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild, sum(changed, [])))
+        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild, _set_apart(sum(changed, []), cap.gm)))
         if eager is _NOT_RUN:
             return seen
         problem = differs(seen.output, eager)
@@ -885,12 +886,16 @@ def rules_used(plan: Plan, node_credit: Mapping[str, Any] | None) -> dict[str, s
     }
 
 
-def _drop(t: Tensor) -> None:
-    """Pack nothing: the model's run that :meth:`CreditRouter._probe` compares never goes back."""
+def _set_apart(changed: list[str], gm: torch.fx.GraphModule) -> list[str]:
+    """The attributes of ``changed`` (``"path.name"``) that a run of ``gm`` does not set: those
+    of modules it calls whole, whose forward and hooks run (a weight norm's pre-hook setting
+    ``weight``), are set by the graph's run too."""
+    whole = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
 
+    def inside(path: str) -> bool:
+        return any(path == m or path.startswith(m + ".") for m in whole)
 
-def _dropped(packed: None) -> Tensor:
-    raise AssertionError("the model's comparison run has no backward pass")
+    return [name for name in changed if not inside(name.rpartition(".")[0])]
 
 
 def rebuilt_as(output: Any, eager: Any) -> type | None:
