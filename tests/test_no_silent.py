@@ -1983,3 +1983,30 @@ def test_a_hook_setting_the_weight_of_a_layer_called_whole_is_not_warned_about()
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=FutureWarning)
         router(x)
+
+
+def test_inputs_alternating_requires_grad_reuse_each_ones_plan(monkeypatch):
+    """A graph specialised to its inputs is captured apart for inputs with and without
+    ``requires_grad`` (a branch on it is fixed in such a graph); a router whose inputs
+    alternate (a GAN's discriminator on real and generated samples) compiled its plan and ran
+    its check against the model again at every call (13 ms against 1 a call). Each capture's
+    plan is kept. Oracle: the model's output and autograd's gradients at every call."""
+    import fxnx._credit.router as router_module
+
+    compiled = []
+    real = router_module.compile_plan
+    monkeypatch.setattr(router_module, "compile_plan", lambda *a, **k: compiled.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    G = fxnx.convert(model, torch.randn(4, 8, dtype=torch.float64), routes=["export"])
+    router = fxnx.CreditRouter(G, model, rule="exact", node_credit=True)
+    for i in range(6):
+        x = torch.randn(4, 8, dtype=torch.float64).requires_grad_(i % 2 == 1)
+        _, _, want = _autograd(model, x)
+        model.zero_grad()
+        out = router(x)
+        assert torch.equal(out, model(x))
+        out.sum().backward()
+        for name, p in model.named_parameters():
+            assert torch.equal(p.grad, want[name]), name
+    assert len(compiled) == 2

@@ -78,6 +78,8 @@ _SAME_BACKWARD = "_fxnx_same_backward"  # captures whose autograd was found the 
 #: captures to what a run of their model showed: the refusal of the tensor hooks its forward
 #: registers (or None), and the type of its output where the graph's is a plain dict
 _EAGER = "_fxnx_eager"
+#: How many captures' plans (and grafts) a router keeps.
+_PLANS_KEPT = 4
 _NOT_RUN = object()
 
 
@@ -556,8 +558,13 @@ class CreditRouter(nn.Module):
                 plan = compile_plan(self.G, cap.gm, self.model, self._choose)
                 self._refuse_swapped(plan, before)
                 self._loaded = {}  # bound into the plan's rules (_choose)
-                self._plans = {id(cap.gm): plan}  # the capture changed: the old plan is stale
-                self._grafts = {}
+                # a few captures' plans are kept (inputs may alternate between captures, as
+                # with and without requires_grad for a graph specialised to its inputs); each
+                # holds its capture's graph, so no id is reused while it is kept
+                self._plans[id(cap.gm)] = plan
+                while len(self._plans) > _PLANS_KEPT:
+                    del self._plans[next(iter(self._plans))]
+                self._grafts = {k: kept for k, kept in self._grafts.items() if k[0] in self._plans}
                 self._warn_if_unused(plan)
             # (a graph that follows the example's values is compared at every call, below)
             seen = self._probe(plan, cap, inputs, kwargs, compare=not cap.reads_values)
