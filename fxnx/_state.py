@@ -13,7 +13,7 @@ from torch import nn
 
 from ._compat import own_buffers, own_tables
 
-__all__ = ["attributes_kept", "preserved", "random_state_kept"]
+__all__ = ["attributes_kept", "preserved", "random_state_kept", "tensor_values_kept"]
 
 
 @contextlib.contextmanager
@@ -33,8 +33,7 @@ def preserved(model: Any) -> Iterator[None]:
     """Restore buffers (BatchNorm running stats, ``num_batches_tracked``), the contents of
     the dicts and lists modules keep as attributes (caches, such as timm LeViT's attention
     biases, filled on a first call in eval mode), the state of random generators they keep
-    (``torch.Generator``), the values of tensors they keep as plain attributes, torch's CPU
-    random state and Python's ``random`` state when the
+    (``torch.Generator``), torch's CPU random state and Python's ``random`` state when the
     block ends, so running the model inside it changes nothing the
     user sees; buffers nothing wrote are not touched at all. (Attributes a forward sets:
     :func:`attributes_kept`.)
@@ -71,7 +70,7 @@ def attributes_kept(model: Any) -> Iterator[list[str]]:
     """Give every module of ``model`` back the attributes, buffers and parameters it had (the
     same objects) when the block ends: an attribute a forward sets (``self.feat = h``,
     ``self.calls += 1``) is removed or given back, a buffer it rebinds (``self.ema = ...``)
-    given back. Yields a list that gets the names of the attributes the block set
+    given back, a tensor attribute it writes into given its values (:func:`tensor_values_kept`). Yields a list that gets the names of the attributes the block set
     (``"encoder.feat"``) as it ends.
 
     For runs of the model fxnx makes beside the user's (comparing a graph with the model),
@@ -89,7 +88,8 @@ def attributes_kept(model: Any) -> Iterator[list[str]]:
     kept = [(path, m, *map(dict, _tables(m))) for path, m in named]
     changed: list[str] = []
     try:
-        yield changed
+        with tensor_values_kept(model):
+            yield changed
     finally:
         for path, m, *tables in kept:
             for table, old in zip(_tables(m), tables, strict=True):
@@ -100,6 +100,23 @@ def attributes_kept(model: Any) -> Iterator[list[str]]:
                 for name in [name for name in table if name not in old]:
                     del table[name]
                 table.update(old)
+
+
+@contextlib.contextmanager
+def tensor_values_kept(model: Any) -> Iterator[None]:
+    """Give every tensor a module of ``model`` keeps as a plain attribute (not a buffer: a
+    running mean ``self.mean`` a forward updates in place) its values back when the block
+    ends. Each is copied: for fxnx's runs of the model and of its graph beside the user's,
+    not for every call."""
+    modules = model.modules() if isinstance(model, nn.Module) else ()
+    tensors = [v for m in modules for name, v in vars(m).items()
+               if name not in _TABLES and isinstance(v, torch.Tensor) and not v.is_meta]
+    saved = [t.detach().clone() for t in tensors]
+    try:
+        yield
+    finally:
+        for t, old in zip(tensors, saved, strict=True):
+            t.data.copy_(old)  # past the version counter, as buffers are given back
 
 
 def _tables(m: nn.Module) -> tuple[dict[str, Any], ...]:
@@ -118,28 +135,23 @@ _GET_OWN = operator.itemgetter(*_OWN_DICTS)
 
 def _caches(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
     """Each dict and list one of ``modules`` holds as an attribute, with a copy of its
-    contents, each random generator (``torch.Generator``), with its state, and each plain
-    tensor attribute (not a buffer, ``self.mean``, updated in place by a forward), with its
-    values."""
+    contents, and each random generator (``torch.Generator``), with its state."""
     found = []
     for m in modules:
         own = vars(m)
         kinds = list(map(type, own.values()))
         if (kinds.count(dict) + kinds.count(list) == len(_OWN_DICTS) and torch.Generator not in kinds
-                and torch.Tensor not in kinds and _own_tables_plain(own)):
+                and _own_tables_plain(own)):
             continue  # nn.Module's own tables alone (most modules): checked in C
         found += [(value, _kept(value)) for name, value in own.items()
-                  if name not in _TABLES and (type(value) in (dict, list, torch.Generator) or isinstance(value, torch.Tensor))]
+                  if name not in _TABLES and type(value) in (dict, list, torch.Generator)]
     return found
 
 
 def _kept(value: Any) -> Any:
-    """What :func:`_refill` gives back: a generator's state, a tensor's values, a dict's or
-    list's contents."""
+    """What :func:`_refill` gives back: a generator's state, a dict's or list's contents."""
     if type(value) is torch.Generator:
         return value.get_state()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
     return type(value)(value)
 
 
@@ -157,10 +169,6 @@ def _refill(caches: list[tuple[Any, Any]]) -> None:
     for value, old in caches:
         if type(value) is torch.Generator:
             value.set_state(old)
-        elif isinstance(value, torch.Tensor):
-            if not value.is_meta and not torch.equal(value, old):
-                with torch.no_grad():
-                    value.copy_(old)
         elif type(value) is dict:
             if value.keys() != old.keys() or any(value[k] is not v for k, v in old.items()):
                 value.clear()

@@ -1897,8 +1897,9 @@ def test_output_credit_for_a_dict_output_is_matched_by_key():
     assert torch.equal(got.param_credit["a.bias"], want[0]) and torch.equal(got.param_credit["b.bias"], want[1])
     with pytest.raises(fxnx.errors.FxnxValueError, match=r"output_credit has keys 'bar', 'foo', the output 'aux', 'logits'"):
         fxnx.route_credit(G, model, x, output_credit={"foo": credit["aux"], "bar": credit["logits"]})
-    with pytest.raises(fxnx.errors.FxnxValueError, match=r"output_credit must be a mapping with the output's keys"):
-        fxnx.route_credit(G, model, x, output_credit=(credit["logits"], credit["aux"]))
+    # a tuple pairs with the output's values in order, as a ModelOutput is indexed
+    res = fxnx.route_credit(G, model, x, output_credit=(credit["logits"], credit["aux"]))
+    assert torch.equal(res.param_credit["a.bias"], want[0]) and torch.equal(res.param_credit["b.bias"], want[1])
 
 
 class _ReturnsItsScale(nn.Module):
@@ -2010,3 +2011,24 @@ def test_inputs_alternating_requires_grad_reuse_each_ones_plan(monkeypatch):
         for name, p in model.named_parameters():
             assert torch.equal(p.grad, want[name]), name
     assert len(compiled) == 2
+
+
+class _KeepsOnItsLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.block(x)
+        self.block.aux_loss = h.pow(2).mean()  # set by this traced code, on a layer called whole
+        return self.head(h)
+
+
+def test_an_attribute_set_on_a_layer_the_graph_calls_whole_is_warned_about_where_no_run_sets_it():
+    """Which attributes a run of the graph sets is found by running it, not guessed from which
+    modules it calls whole: a first version left out every attribute of such a module, so an
+    auxiliary loss the traced code keeps on one went stale without a word."""
+    model, x = _KeepsOnItsLayer(), torch.randn(3, 4)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
+    with pytest.warns(UserWarning, match=r"forward sets 'block.aux_loss' on the model"):
+        router(x)

@@ -90,7 +90,7 @@ def test_skip_edges_stand_out_and_merges_are_marked(name, torchvision_model):
 def test_edges_carry_shapes_and_nodes_their_kind():
     text = fxnx.to_pydot(_zoo("skip_block")).to_string()
     assert 'xlabel=" 2×4 "' in text
-    assert "<B>lin</B><BR/><FONT POINT-SIZE=\"3\"> </FONT><BR/><FONT POINT-SIZE=\"10\">Linear</FONT>" in text
+    assert "<B>lin</B><BR/><FONT POINT-SIZE=\"1\"> </FONT><BR/><FONT POINT-SIZE=\"10\">Linear</FONT>" in text
 
 
 def test_depth_one_shows_resnet50_stages(torchvision_model):

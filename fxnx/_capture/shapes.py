@@ -29,7 +29,7 @@ from .._compat import (
     pytree,
 )
 from .._errors import ShapePropagationError
-from .._state import preserved
+from .._state import preserved, tensor_values_kept
 from .inputs import device_of
 
 __all__ = [
@@ -165,7 +165,7 @@ def propagate(
     (a fresh one by default); with ``fake`` it runs fake tensors.
     """
     interpreter = interpreter or _ShapeProp(gm)
-    with preserved(model), torch.no_grad():
+    with preserved(model), tensor_values_kept(model), torch.no_grad():
         if fake and device_of(model).type != "meta":
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]

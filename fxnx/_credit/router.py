@@ -662,7 +662,7 @@ class CreditRouter(nn.Module):
         """
         model = self.model
         values = placeholders_for(cap, model, inputs, kwargs, copy=True)
-        with torch.no_grad(), preserved(model), TRACING_LOCK:
+        with torch.no_grad(), preserved(model), attributes_kept(model) as graph_sets, TRACING_LOCK:
             seen = probe(plan.gm, values or [])
         if not compare or (not every_call and _noted(self.G, _CHECKED, cap.gm)):
             return seen
@@ -677,7 +677,7 @@ class CreditRouter(nn.Module):
         except Exception:  # the graph runs where the model does not: nothing to compare
             eager = _NOT_RUN
         rebuild = None if eager is _NOT_RUN else rebuilt_as(seen.output, eager)
-        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild, _set_apart(sum(changed, []), cap.gm)))
+        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild, [name for name in sum(changed, []) if name not in graph_sets]))
         if eager is _NOT_RUN:
             return seen
         problem = differs(seen.output, eager)
@@ -893,18 +893,6 @@ def rules_used(plan: Plan, node_credit: Mapping[str, Any] | None) -> dict[str, s
     }
 
 
-def _set_apart(changed: list[str], gm: torch.fx.GraphModule) -> list[str]:
-    """The attributes of ``changed`` (``"path.name"``) that a run of ``gm`` does not set: those
-    of modules it calls whole, whose forward and hooks run (a weight norm's pre-hook setting
-    ``weight``), are set by the graph's run too."""
-    whole = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-
-    def inside(path: str) -> bool:
-        return any(path == m or path.startswith(m + ".") for m in whole)
-
-    return [name for name in changed if not inside(name.rpartition(".")[0])]
-
-
 def rebuilt_as(output: Any, eager: Any) -> type | None:
     """The type of the model's own output ``eager`` where the graph's ``output`` is a plain
     dict of the same keys, in order, and ``eager`` a dict of another type (a Hugging Face
@@ -990,14 +978,9 @@ def _preset(rule: Any) -> Preset:
 def _by_key(output: Any, given: Any, where: str) -> Any:
     """``given`` with each mapping's entries in the order of the output's keys (pytree flattens
     a dict in its own order, so ``{"aux": ..., "logits": ...}`` would pair with the outputs by
-    position, each credit on the other's output), and a mapping required where the output has
-    one; lists and tuples as they are."""
-    if isinstance(output, Mapping):
-        if not isinstance(given, Mapping):
-            raise FxnxValueError(
-                f"{where} must be a mapping with the output's keys ({', '.join(map(repr, output))}), "
-                f"got {type(given).__qualname__}"
-            )
+    position, each credit on the other's output); a tuple or list for a mapping output pairs
+    with its values in order (a Hugging Face ``ModelOutput`` is indexed so)."""
+    if isinstance(output, Mapping) and isinstance(given, Mapping):
         if set(given) != set(output):
             raise FxnxValueError(
                 f"{where} has keys {', '.join(sorted(map(repr, given)))}, the output "

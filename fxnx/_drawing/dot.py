@@ -117,7 +117,7 @@ def pydot_of(view: nx.MultiDiGraph, *, color_by: str | None, clusters: bool, ran
 
     dot = pydot.Dot(
         "fxnx", graph_type="digraph", rankdir=rankdir, fontname=FONT, nodesep="0.25",
-        ranksep="0.3", newrank="true", **(graph_attrs or {}),
+        ranksep="0.28", newrank="true", **(graph_attrs or {}),
     )
     dot.set_node_defaults(fontname=FONT, fontsize=str(NAME_SIZE), shape="box", style="rounded,filled",
                           margin="0.08,0.04", height="0.3")

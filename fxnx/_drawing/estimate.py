@@ -54,7 +54,7 @@ CLUSTER_PAD, CLUSTER_PAD_LR = 18.0, 32.0
 
 
 #: Points of a node's height with a name and a kind (two lines), and between ranks (ranksep).
-NODE_HEIGHT, RANKSEP = 31.0, 21.6
+NODE_HEIGHT, RANKSEP = 29.0, 20.16
 
 
 #: Points of an edge label's line, laid out left to right as a node of its own.

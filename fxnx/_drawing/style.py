@@ -53,7 +53,7 @@ FONT = "Helvetica"
 #: label and the legend; the note on an opaque node.
 NAME_SIZE, TEXT_SIZE, BOX_SIZE, SMALL_SIZE = 12, 10, 11, 9
 #: The size of the thin empty line between a node's name and what follows.
-GAP_SIZE = 3
+GAP_SIZE = 1
 #: Characters a line of the parameters listed on a node may hold, unless one name is longer.
 NAMES_LINE = 26
 #: Characters of a graph's string shown in a label or a node id, and on a line of a tooltip:
