@@ -58,7 +58,11 @@ def routed(
     if not wrt or not roots:
         return {name: None for name, *_ in places}, {}
     got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
-    param_credit = {n: g for n, g in zip(params, got, strict=False) if g is not None}
+    # autograd hands one tensor to a value and to a parameter it passes credit on to unchanged
+    # (h + b): the parameter's credit gets its own
+    at_nodes = {g.data_ptr() for g in got[len(params):] if g is not None}
+    param_credit = {n: g.clone() if g.data_ptr() in at_nodes else g
+                    for n, g in zip(params, got, strict=False) if g is not None}
     return _credit_at(places, got.__getitem__), param_credit
 
 

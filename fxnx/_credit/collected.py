@@ -132,9 +132,6 @@ def route_credit(
     # a parameter whose credit is the output credit itself (one added to the output, or
     # returned by the model) gets the caller's tensor back from autograd: copied, as nodes' are
     node_credit, param_credit = owned(node_credit, output_credit), owned(param_credit, output_credit)
-    # autograd hands one tensor to a node and a parameter it passes credit on to unchanged
-    # (h + b): each result gets its own
-    param_credit = owned(param_credit, node_credit)
     norms = credit_norms(node_credit)
     result_ = CreditResult(
         node_credit=node_credit,
