@@ -13,7 +13,7 @@ from torch import nn
 
 from ._compat import own_buffers, own_tables
 
-__all__ = ["attributes_kept", "preserved", "random_state_kept", "tensor_values_kept"]
+__all__ = ["attributes_kept", "module_tables", "preserved", "random_state_kept", "tensor_values_kept"]
 
 
 @contextlib.contextmanager
@@ -70,8 +70,9 @@ def attributes_kept(model: Any) -> Iterator[list[str]]:
     """Give every module of ``model`` back the attributes, buffers and parameters it had (the
     same objects) when the block ends: an attribute a forward sets (``self.feat = h``,
     ``self.calls += 1``) is removed or given back, a buffer it rebinds (``self.ema = ...``)
-    given back, a tensor attribute it writes into given its values (:func:`tensor_values_kept`). Yields a list that gets the names of the attributes the block set
-    (``"encoder.feat"``) as it ends.
+    given back, a tensor attribute it writes into given its values (:func:`tensor_values_kept`).
+    Yields a list that gets the names of the attributes the block set (``"encoder.feat"``) as
+    it ends.
 
     For runs of the model fxnx makes beside the user's (comparing a graph with the model),
     so that the model is left as the user's own calls left it.
@@ -85,14 +86,14 @@ def attributes_kept(model: Any) -> Iterator[list[str]]:
     (['0.seen'], False)
     """
     named = list(model.named_modules(remove_duplicate=False)) if isinstance(model, nn.Module) else []
-    kept = [(path, m, *map(dict, _tables(m))) for path, m in named]
+    kept = [(path, m, *map(dict, module_tables(m))) for path, m in named]
     changed: list[str] = []
     try:
         with tensor_values_kept(model):
             yield changed
     finally:
         for path, m, *tables in kept:
-            for table, old in zip(_tables(m), tables, strict=True):
+            for table, old in zip(module_tables(m), tables, strict=True):
                 if len(table) == len(old) and all(map(operator.is_, table.values(), old.values())):
                     continue
                 changed.extend(f"{path}.{name}" if path else name for name, value in table.items()
@@ -119,7 +120,7 @@ def tensor_values_kept(model: Any) -> Iterator[None]:
             t.data.copy_(old)  # past the version counter, as buffers are given back
 
 
-def _tables(m: nn.Module) -> tuple[dict[str, Any], ...]:
+def module_tables(m: nn.Module) -> tuple[dict[str, Any], ...]:
     """A module's ``__dict__`` (its plain attributes and nn.Module's own tables), its buffers
     and its parameters."""
     return (vars(m), *own_tables(m))

@@ -24,7 +24,7 @@ from .inputs import Inputs, copied_inputs
 from .shapes import container_items
 from .tracer import mha_fast_path_off
 
-__all__ = ["computes_another", "differs", "saves_nothing", "tensors"]
+__all__ = ["computes_another", "detached", "differs", "saves_nothing", "tensors"]
 
 
 def tensors(value: Any) -> list[Tensor]:
@@ -57,7 +57,7 @@ def computes_another(model: Any, inputs: Inputs, concrete: Mapping[str, Any], ou
     try:
         with preserved(model), attributes_kept(model), torch.enable_grad(), mha_fast_path_off(), \
                 saves_nothing():
-            want = _detached(model(*call.args, **call.kwargs, **concrete))
+            want = detached(model(*call.args, **call.kwargs, **concrete))
     except Exception:
         return None  # the ladder's other checks speak for a model that fails
     return differs(output, want)
@@ -78,7 +78,8 @@ def _dropped(packed: None) -> Tensor:
     raise AssertionError("a comparison run of the model has no backward pass")
 
 
-def _detached(value: Any) -> Any:
+def detached(value: Any) -> Any:
+    """``value`` with each of its tensors detached."""
     return pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, value)
 
 

@@ -474,8 +474,7 @@ def _propagated(
     if not callable(propagate):
         return None, propagate_shapes(gm, model, values, fake)
     if getattr(propagate, WITH_OUTPUT, False):
-        found, output = propagate(gm, model, values, fake)
-        return found, output
+        return propagate(gm, model, values, fake)  # type: ignore[no-any-return]
     return propagate(gm, model, values, fake), NO_OUTPUT
 
 
@@ -505,7 +504,7 @@ def _check_computes_the_model(
     to the next route (:mod:`.agree`). A graph already known to be one call's (``varies``, or a model
     that changed itself while captured: both warned about) is left to that warning."""
     if fake or inputs is None or result.varies or output is NO_OUTPUT or device_of(model).type != "cpu":
-        return  # (on another device, its random generators are not restored between the runs)
+        return
     why = computes_another(model, inputs, dict(options.concrete_args), output)
     if why is not None:
         raise CaptureError(

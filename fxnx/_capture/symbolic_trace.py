@@ -22,9 +22,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .._compat import graph_module, own_tables
+from .._compat import graph_module
 from .._errors import CaptureError, FxnxValueError
-from .._state import preserved
+from .._state import module_tables, preserved
 from .common import Route, RouteResult, drawn, draws_varies
 from .inputs import Inputs
 from .options import CLASS_PREFIX, TORCH_NN, CaptureOptions
@@ -249,21 +249,18 @@ def _proxies_given_back(model: Any) -> Iterator[None]:
     if not isinstance(model, nn.Module):
         yield
         return
-    before = [(m, dict(vars(m)), [(table, dict(table)) for table in own_tables(m)]) for m in model.modules()]
+    before = [(m, [dict(table) for table in module_tables(m)]) for m in model.modules()]
     try:
         yield
     finally:
-        for m, attributes, tables in before:
-            for name, value in list(vars(m).items()):
-                if isinstance(value, fx.Proxy):
-                    if name in attributes:
-                        object.__setattr__(m, name, attributes[name])
-                    else:
-                        delattr(m, name)
-            for table, old in tables:
+        for m, olds in before:
+            for table, old in zip(module_tables(m), olds, strict=True):
                 for name, value in list(table.items()):
                     if isinstance(value, fx.Proxy):
-                        table[name] = old[name]
+                        if name in old:
+                            table[name] = old[name]
+                        else:
+                            del table[name]
 
 
 @contextlib.contextmanager

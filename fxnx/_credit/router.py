@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._capture import TRACING_LOCK
-from .._capture.agree import saves_nothing
+from .._capture.agree import detached, saves_nothing
 from .._capture.fingerprint import Fingerprints, structure
 from .._capture.inputs import bind_inputs, qualname
 from .._capture.ladder import Capture
@@ -669,15 +669,15 @@ class CreditRouter(nn.Module):
         run_model = self._on_copies(inputs, kwargs)
         if run_model is None:
             return seen
-        spy, changed = TensorHooks(), list[list[str]]()
+        spy, changed = TensorHooks(), list[str]()
         try:  # with gradients, as the model runs when called (if h.requires_grad: h.register_hook),
             # saving nothing for a backward that never comes (nor into a checkpoint around us)
             with torch.enable_grad(), saves_nothing(), spy:
-                eager = pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, run_model(changed))
+                eager = detached(run_model(changed))
         except Exception:  # the graph runs where the model does not: nothing to compare
             eager = _NOT_RUN
         rebuild = None if eager is _NOT_RUN else rebuilt_as(seen.output, eager)
-        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild, [name for name in sum(changed, []) if name not in graph_sets]))
+        _note(self.G, _EAGER, cap.gm, (spy.refusal(qualname(model)), rebuild, [name for name in changed if name not in graph_sets]))
         if eager is _NOT_RUN:
             return seen
         problem = differs(seen.output, eager)
@@ -707,20 +707,21 @@ class CreditRouter(nn.Module):
     def _on_copies(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> Callable[..., Any] | None:
         """The model's forward on copies of ``inputs``, bound as its capture was, changing
         nothing (buffers, attributes and the random state restored): for comparing the graph
-        with the model; None where the inputs do not bind. Given a list, the run appends the
-        list of the attributes the forward set (:func:`~fxnx._state.attributes_kept`)."""
+        with the model; None where the inputs do not bind. Given a list, the run adds the names
+        of the attributes the forward set (:func:`~fxnx._state.attributes_kept`)."""
         model, concrete = self.model, dict(self._capture["concrete_args"] or {})
         bound = bind_inputs(model, inputs, kwargs, concrete)
         if bound is None:
             return None
 
-        def run(changed: list[list[str]] | None = None) -> Any:
-            with preserved(model), attributes_kept(model) as set_, TRACING_LOCK:
-                try:
+        def run(changed: list[str] | None = None) -> Any:
+            set_: list[str] = []
+            try:
+                with preserved(model), attributes_kept(model) as set_, TRACING_LOCK:
                     return model(*bound.args, **bound.kwargs, **concrete)
-                finally:
-                    if changed is not None:
-                        changed.append(set_)  # filled as attributes_kept ends
+            finally:  # once attributes_kept has named what the forward set
+                if changed is not None:
+                    changed.extend(set_)
 
         return run
 
