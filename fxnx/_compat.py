@@ -15,6 +15,7 @@ torch release that renames one of them degrades a feature instead of breaking
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -42,6 +43,8 @@ __all__ = [
     "in_transform",
     "global_module_hooks",
     "linear_parameters",
+    "own_forward",
+    "runs_own_forward",
     "own_buffers",
     "own_tables",
     "uncompiled",
@@ -506,39 +509,48 @@ def global_hooks() -> tuple[bool, bool]:
             any_of("_global_forward_pre_hooks", "_global_forward_hooks"))
 
 
-def linear_parameters(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """An ``nn.Linear``'s weight and bias where calling it would run ``F.linear`` on them
-    and nothing else (torch's own ``forward``, patched neither on the class nor on the
-    instance, not compiled in place, and no hook of its own or for every module); None
-    otherwise. The router calls such a layer's ``F.linear`` itself, without the module's
-    frames. (The hook tables are read here as :func:`has_hooks` and :func:`global_hooks`
-    read them, inline: this runs for every such layer at every call.)"""
+def runs_own_forward(module: Any, forward: Any) -> bool:
+    """Whether calling ``module`` runs ``forward`` (torch's own, from :func:`own_forward`) and
+    nothing else: its class's ``forward`` is that function, patched neither on the class nor
+    on the instance, not compiled in place, and no hook of its own or for every module. (The
+    hook tables are read here as :func:`has_hooks` and :func:`global_hooks` read them, inline:
+    the router asks this for every such layer at every call.)"""
     table = _MODULE_TABLES
     try:
-        if (_LINEAR_FORWARD is None or type(module).forward is not _LINEAR_FORWARD
-                or "forward" in module.__dict__ or getattr(module, "_compiled_call_impl", None) is not None
-                or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or table._global_forward_hooks
-                or table._global_forward_pre_hooks or table._global_backward_hooks
-                or table._global_backward_pre_hooks):
-            return None
+        return not (forward is None or type(module).forward is not forward
+                    or "forward" in module.__dict__ or getattr(module, "_compiled_call_impl", None) is not None
+                    or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                    or module._backward_pre_hooks or table._global_forward_hooks
+                    or table._global_forward_pre_hooks or table._global_backward_hooks
+                    or table._global_backward_pre_hooks)
+    except AttributeError:  # a torch that keeps them elsewhere: call the module
+        return False
+
+
+def linear_parameters(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """An ``nn.Linear``'s weight and bias where calling it would run ``F.linear`` on them
+    and nothing else (:func:`runs_own_forward`); None otherwise. The router calls such a
+    layer's ``F.linear`` itself, without the module's frames."""
+    if not runs_own_forward(module, _LINEAR_FORWARD):
+        return None
+    try:
         params = module._parameters
         return params["weight"], params["bias"]
     except (AttributeError, KeyError):  # a torch that keeps them elsewhere: call the module
         return None
 
 
-def _own_linear_forward() -> Any:
-    """``nn.Linear.forward`` where it is torch's own function (not one patched on the class
-    before fxnx was imported, which a later identity check would take for torch's); else
-    None, and every layer is called as a module."""
-    forward = torch.nn.Linear.forward
+def own_forward(cls: type) -> Any:
+    """``cls.forward`` where it is torch's own function, defined in the module that defines
+    ``cls`` (not one patched on the class before fxnx was imported, which a later identity
+    check would take for torch's); else None, and such layers are called as modules."""
+    forward = getattr(cls, "forward", None)
     code = getattr(forward, "__code__", None)
-    source = getattr(torch.nn.modules.linear, "__file__", None)
+    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
     return forward if code is not None and code.co_filename == source and code.co_name == "forward" else None
 
 
-_LINEAR_FORWARD = _own_linear_forward()
+_LINEAR_FORWARD = own_forward(torch.nn.Linear)
 #: Where torch keeps the hook tables for every module.
 _MODULE_TABLES = torch.nn.modules.module
 

@@ -786,8 +786,8 @@ def test_a_linear_forward_patched_before_fxnx_was_imported_or_compiled_is_called
         return original(self, x) * 2
 
     monkeypatch.setattr(nn.Linear, "forward", doubled)
-    assert _compat._own_linear_forward() is None
-    monkeypatch.setattr(_compat, "_LINEAR_FORWARD", _compat._own_linear_forward())  # imported now
+    assert _compat.own_forward(nn.Linear) is None
+    monkeypatch.setattr(_compat, "_LINEAR_FORWARD", _compat.own_forward(nn.Linear))  # imported now
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     x = torch.randn(5, 3, dtype=F64)

@@ -13,7 +13,8 @@ left to say is, per node, how its credit goes back to its inputs (:func:`tier`):
 - **weight transport** (feedback alignment, sign symmetry) on linear layers,
   convolutions, attention and transformer layers runs the layer as it is, with
   the feedback weight ``B`` swapped in for ``W`` in what its backward saves
-  (:mod:`.native`).
+  (:mod:`.native`); a run of linear layers, joined by activations, runs as one
+  autograd function (:mod:`.chain`).
 - **direct feedback alignment** runs the layer on its inputs detached (its
   parameters get exact credit); autograd functions at the model's output and on
   the layer's output send each such input ``e·B`` (:mod:`.taps`).
@@ -45,6 +46,7 @@ from .._capture.shapes import node_failure
 from .._capture.tracer import NO_GRAD, is_torch_nn
 from .._compat import pytree
 from .._errors import FxnxValueError
+from .chain import Chain, chain_call, fuse
 from .faithful import Probe, differs
 from .kinds import LINEAR_FUNCTIONS, NATIVE_FUNCTIONS, WEIGHTED_MODULES
 from .native import NativeSpec, native_call
@@ -127,6 +129,8 @@ class Graft:
 
         class Probe(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
+                if n.target is chain_call:  # a run of layers: each of its nodes on its own
+                    return self.run_chain(*self.fetch_args_kwargs_from_env(n)[0])
                 try:
                     return super().run_node(n)
                 except Exception as err:
@@ -135,6 +139,14 @@ class Graft:
                         raise
                     args, kwargs = self.fetch_args_kwargs_from_env(n)
                     raise node_failure("the credit run's forward pass", captured, args, kwargs, err) from err
+
+            def run_chain(self, chain: Chain, x: Any) -> Any:
+                for call, captured in chain.calls():
+                    try:
+                        x = call(x)
+                    except Exception as err:
+                        raise node_failure("the credit run's forward pass", captured, (x,), {}, err) from err
+                return x
 
         Probe(self.gm).run(*self.placeholders(inputs))
 
@@ -305,6 +317,8 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             value = graph.call_function(_alias, (value,))
         collect_value(node.name, value)
         env[node] = value
+    if not collect:
+        fuse(graph, root, origin)
     module = fx.GraphModule(root, graph, class_name="Routed")
     plain = not collect and all(tier(e) == "exact" and not e.cut for e in plan.entries)
     return Graft(module, plan, collect, names, starred, origin, plain=plain, writes_inputs=writes_inputs)
