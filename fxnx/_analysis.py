@@ -560,6 +560,32 @@ def scope_subgraph(G: nx.MultiDiGraph, scope: str, *, inputs: bool = True) -> nx
     return G.subgraph(sorted(keep, key=lambda n: G.nodes[n].get("order", 0))).copy()
 
 
+def _largest_activation(G: nx.MultiDiGraph) -> dict[str, Any]:
+    """The biggest value the forward pass computes from its inputs, by the bytes on the
+    node's out-edges (the first of equal size in topological order wins): not an input, a
+    parameter, buffer or constant (``get_attr``, a parameter's placeholder in an ATen graph),
+    nor a value computed from those alone (a weight's transpose, ``torch.arange``)."""
+    largest: dict[str, Any] = {"node": None, "shape": None, "nbytes": 0}
+    fixed: set[str] = set()  # values that do not depend on the inputs
+    for node in topological_order(G):
+        data = G.nodes[node]
+        op = data.get("op")
+        if op == "get_attr" or (op == "placeholder" and (data.get("num_params") or 0) > 0):
+            fixed.add(node)
+            continue
+        if op not in ("call_module", "call_function", "call_method"):
+            continue
+        if set(G.predecessors(node)) <= fixed:
+            fixed.add(node)
+            continue
+        if data.get("phase") == "backward":
+            continue
+        for _, _, edge in G.out_edges(node, data=True):
+            if (edge.get("nbytes") or 0) > largest["nbytes"]:
+                largest = {"node": node, "shape": edge["shape"], "nbytes": edge["nbytes"]}
+    return largest
+
+
 @explained
 def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
     """Key facts about a converted graph, as plain data.
@@ -571,7 +597,9 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
         (census of call targets), ``num_params``, ``depth`` (longest path, in
         edges), ``skip_connections`` (residuals, counted), ``identity_skips``,
         ``parallel_branches`` (other forks and merges, :data:`SKIP_KINDS`),
-        ``largest_activation`` (node, shape and bytes of the biggest output),
+        ``largest_activation`` (node, shape and bytes of the biggest activation: a
+        forward node's output computed from the inputs, not a parameter, buffer or constant
+        nor a value made from those alone, as a weight's transpose),
         ``costs`` (:func:`fxnx.frames.cost_summary`: parameters trainable and frozen, FLOPs,
         multiply-adds) and ``memory`` (the peak of live activation bytes over the pass
         and its node, :func:`fxnx.memory_profile`; None where shapes are unknown).
@@ -581,11 +609,7 @@ def summary(G: nx.MultiDiGraph) -> dict[str, Any]:
 
     skips = skip_connections(G, "all", annotate=False)  # a summary only reads G
     residuals = [s for s in skips if s.kind in RESIDUALS]
-    largest: dict[str, Any] = {"node": None, "shape": None, "nbytes": 0}
-    for node in topological_order(G):  # the first of equal size wins
-        for _, _, data in G.out_edges(node, data=True):
-            if (data.get("nbytes") or 0) > largest["nbytes"]:
-                largest = {"node": node, "shape": data["shape"], "nbytes": data["nbytes"]}
+    largest = _largest_activation(G)
     calls = [
         data.get("module_type") or data.get("target")
         for _, data in G.nodes(data=True)

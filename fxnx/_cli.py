@@ -398,6 +398,7 @@ def _convert(args: argparse.Namespace, status: _Status) -> int:
     from ._models import load_model, model_for
 
     plan = _outputs(args)
+    failed: list[str] = []  # each file that could not be written, and why
     for i, (spec, paths) in enumerate(plan, 1):
         status.show(f"[{i}/{len(plan)}] {spec}: building, tracing, propagating shapes…")
         start = time.perf_counter()
@@ -407,7 +408,12 @@ def _convert(args: argparse.Namespace, status: _Status) -> int:
             inputs, kwargs = _inputs(given, args)
             G = convert(model, *inputs, kwargs=kwargs, level=args.level, routes=args.routes,
                         leaf_on_failure=args.leaf_on_failure)
-        written = [_write(G, path) for path in paths]
+        written = []
+        for path in paths:  # one file that cannot be written keeps none of the others from it
+            try:
+                written.append(_write(G, path))
+            except (FxnxError, OSError) as err:
+                failed.append(f"{path}: {err}")
         status.show(f" {time.perf_counter() - start:.1f} s", end="\n")
         if len(plan) > 1:
             print(f"== {spec}")
@@ -416,6 +422,9 @@ def _convert(args: argparse.Namespace, status: _Status) -> int:
         print(format_summary(summary(G)))
         for path in written:
             print(f"wrote {path}")
+    if failed:
+        raise FxnxValueError(f"could not write {len(failed)} file{'s' * (len(failed) > 1)}, "
+                             "the others were written: " + "; ".join(failed))
     return 0
 
 
@@ -541,16 +550,16 @@ def _credit(args: argparse.Namespace, status: _Status) -> int:
         status.show(f" routing credit ({args.rule})…")
         res = route_credit(G, model, *inputs, kwargs=kwargs, rule=args.rule, seed=args.seed)
     status.show(" drawing…", end="\n")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by="credit_norm",
-                checks=args.checks, rankdir=args.rankdir)
     norms = [v for v in res.norms().values() if v is not None]
     if not args.inputs:
         print(f"example inputs: {_listed(given, args.dtype)} (give --input to choose others)")
     print(f"rule {args.rule}: {res.describe()}")
     if norms:
         print(f"credit norm: {min(norms):.4g} to {max(norms):.4g} over {len(norms)} nodes")
-    if args.graph:
+    if args.graph:  # before the drawing: a drawing that fails loses none of the credit
         print(f"wrote {_write(G, args.graph)}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    path = draw(G, args.output, depth=args.depth, dpi=args.dpi, color_by="credit_norm",
+                checks=args.checks, rankdir=args.rankdir)
     print(f"wrote {path}")
     return 0

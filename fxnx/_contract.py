@@ -303,6 +303,7 @@ PRESENCE = {
     "module": "when the model is an nn.Module",
     "tied": "when the model reaches a parameter under several names",
     "writes_input": "when the module it calls writes into its input in place",
+    "returns_input": "when the module it calls returns its input itself",
 }
 
 GRAPH_ATTRIBUTES = (
@@ -395,6 +396,9 @@ NODE_ATTRIBUTES = (
     Attribute("writes_input", "bool", "writes_input",
               "True: the module a call_module node calls writes into its input in place "
               "(nn.ReLU(inplace=True)) and returns it"),
+    Attribute("returns_input", "bool", "returns_input",
+              "True: the module a call_module node calls returns its input itself, no new "
+              "tensor (a dropout layer in eval mode)"),
     Attribute("branch_role", "branch role or None", "skip_connections",
               "fork, merge, skip or residual: the node's part in the innermost skip connection; "
               "branch on the branches of a parallel one"),

@@ -29,6 +29,12 @@ from ._version import FORMAT_VERSION, __version__
 
 __all__ = ["convert", "graph_from_capture"]
 
+#: torch's dropout layers, each of which returns its input itself in eval mode
+_DROPOUTS = frozenset({
+    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+    torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout,
+})
+
 
 def convert(
     model: nn.Module | Callable[..., Any],
@@ -190,6 +196,8 @@ def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None)
         )
         if getattr(module, "inplace", None) is True:
             G.nodes[node.name]["writes_input"] = True
+        elif type(module) in _DROPOUTS and not module.training:  # type: ignore[union-attr]
+            G.nodes[node.name]["returns_input"] = True  # it returns its input itself
         for arg, source in occurrences(node, names):
             shape, dtype, nbytes = described[source]
             if isinstance(shape, (list, dict)):  # nested: each edge gets lists of its own

@@ -41,8 +41,9 @@ Module-level graphs do not show everything: ``out += x`` in a module's code is
 traced as ``operator.add`` and counts as a new storage (one tensor too many at
 that step). A ``level="aten"`` graph records it as ``add_``. A module that
 writes into its input (``nn.ReLU(inplace=True)``) is marked ``writes_input``,
-and shares its input's storage; a graph converted before that mark counts it as
-a new storage.
+and one that returns its input itself (a dropout layer in eval mode)
+``returns_input``: each shares its input's storage; a graph converted before those
+marks counts it as a new storage.
 """
 
 from __future__ import annotations
@@ -381,8 +382,10 @@ def _storage_source(G: nx.MultiDiGraph, node: str, strided: set[str]) -> str | N
     out = _input_at(G, node, "out")
     if out is not None:
         return out  # torch.add(a, b, out=c), aten.add.out: c
-    if "dropout" in str(target) and info.get("training") is False:
-        return first  # F.dropout(x, training=False) returns x
+    if data.get("returns_input") is True:
+        return first  # nn.Dropout in eval mode
+    if "dropout" in str(target) and name != "native_dropout" and False in (info.get("training"), info.get("train")):
+        return first  # F.dropout(x, training=False), aten.dropout(x, p, False): x itself
     if name in _RESHAPES:
         return None if first in strided else first
     if name in _MAYBE_SELF:

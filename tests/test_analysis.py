@@ -282,3 +282,24 @@ def test_a_view_is_not_annotated_through_to_the_graph_it_views():
     assert fxnx.skip_connections(view, annotate=False) == []
     copied = view.copy()
     assert fxnx.skip_connections(copied) == [] and len(G.graph["skip_connections"]) == 1
+
+
+def _numel(shape):
+    return int(torch.Size(shape).numel())
+
+
+@pytest.mark.parametrize("how", [{}, {"routes": ("export",)}, {"level": "aten"}, {"level": "joint"}])
+def test_the_largest_activation_is_no_weight_nor_made_from_weights_alone(how):
+    """A big embedding table and a weight's transpose (ATen graphs) are not activations.
+    Oracle: the biggest output forward hooks see on every module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5000, 8), nn.Linear(8, 16), nn.ReLU())
+    ids = torch.randint(0, 5000, (2, 4))
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, i, out: seen.append(out.nbytes)) for m in model]
+    model(ids)
+    for hook in hooks:
+        hook.remove()
+    largest = fxnx.summary(fxnx.convert(model, ids, **how))["largest_activation"]
+    assert largest["nbytes"] == max(seen) == 2 * 4 * 16 * 4
+    assert _numel(largest["shape"]) == 2 * 4 * 16  # (8, 16) at ATen level: addmm's

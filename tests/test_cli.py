@@ -616,3 +616,30 @@ def test_a_left_to_right_png_of_a_chain_is_wide(bad_files, capsys):
         sizes[rankdir] = struct.unpack(">II", header[16:24])  # width, height
     (tb_width, tb_height), (lr_width, lr_height) = sizes["TB"], sizes["LR"]
     assert tb_height > 5 * tb_width and lr_width > 5 * lr_height
+
+
+def test_a_file_that_cannot_be_written_keeps_none_of_the_others_from_being_written(tmp_path, capsys, monkeypatch):
+    """One output failing (here a PNG refused) neither stops the other outputs of convert nor
+    loses credit's graph: each is written, and the one error names what was not."""
+    from fxnx._drawing import draw as drawing
+
+    real = drawing.draw
+
+    def refuse_png(G, path=None, **options):
+        if str(path).endswith(".png"):
+            raise fxnx.errors.FxnxValueError("too large for a readable PNG (refused here)")
+        return real(G, path, **options)
+
+    monkeypatch.setattr(drawing, "draw", refuse_png)
+    out = tmp_path / "g.pkl"
+    argv = ["convert", "resnet18", "--input-shape", "1,3,32,32", "-o", str(out), "--png", "--json"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "could not write 1 file" in captured.err and "g.png" in captured.err
+    assert "Traceback" not in captured.err
+    assert fxnx.read_pickle(out).number_of_nodes() == fxnx.read_json(tmp_path / "g.json").number_of_nodes()
+    assert not (tmp_path / "g.png").exists()
+    argv = ["credit", "resnet18", "--input-shape", "2,3,32,32", "-o", str(tmp_path / "c.png"),
+            "--graph", str(tmp_path / "c.pkl")]
+    assert main(argv) == 1
+    assert fxnx.read_pickle(tmp_path / "c.pkl").graph["credit_rule"] == "exact"

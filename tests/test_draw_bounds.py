@@ -8,12 +8,14 @@ prediction of them.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 import subprocess
 import warnings
 from pathlib import Path
 
+import networkx as nx
 import pytest
 import torch
 
@@ -220,6 +222,34 @@ def test_an_aten_node_named_like_its_module_is_collapsed_into_it():
     assert "ReLU · 2 ops" in text
 
 
+class TiedLM(torch.nn.Module):
+    """A language model whose output layer shares the embedding's weight (GPT-2's LM head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.head = torch.nn.Linear(8, 50, bias=False)
+        self.head.weight = self.body[0].weight
+
+    def forward(self, ids):
+        return self.head(self.body(ids))
+
+
+def test_a_weight_tied_across_modules_is_drawn_outside_both():
+    """torch.export reads the tied weight once (one get_attr node) for the embedding inside
+    ``body`` and for ``head``: it belongs to neither module's box, so each collapses whole.
+    Oracle: the model's structure, by hand (depth 1: the input, body, head, the output and the
+    shared weight)."""
+    G = fxnx.convert(TiedLM(), torch.zeros(2, 5, dtype=torch.long), routes="export")
+    shared = [n for n, d in G.nodes(data=True) if d["op"] == "get_attr" and G.out_degree(n) == 2]
+    assert len(shared) == 1  # the premise: one node for the tied weight
+    view = dr.view.collapse(G, 1)
+    assert view.nodes["body"]["op"] == "module" and view.nodes["head"]["op"] == "module"
+    assert not any(str(d.get("scope", "")).startswith("body") for n, d in view.nodes(data=True) if n != "body")
+    assert view.number_of_nodes() == 5, sorted(view)
+    assert nx.is_directed_acyclic_graph(view)
+
+
 def test_drawing_a_collapsed_view_leaves_the_graph_as_it_was():
     G = fxnx.convert(NamedLikeAModule(), torch.zeros(1, 4))
     before = (dict(G.graph), list(G.nodes(data=True)), list(G.edges(keys=True, data=True)))
@@ -282,3 +312,24 @@ def test_xlnet_draws_at_every_depth(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _within_bound(fxnx.draw(G, tmp_path / "xlnet.png"))
+
+
+@needs_dot
+def test_a_view_the_estimate_puts_over_a_png_is_drawn_where_dots_layout_fits(tmp_path, monkeypatch):
+    """Where the estimate puts even the shallowest view over a PNG's area (it errs large: GPT-2
+    at depth 1, 208 square inches predicted, 155 laid out), dot's own layout decides. Here the
+    estimate is made to err: every view predicted twice the limit's side. Oracle: the PNG's
+    own size; and with dot's layout too large as well, the refusal."""
+    G = fxnx.convert(NamedLikeAModule(), torch.zeros(1, 4))
+    real = dr.draw.estimate_view
+
+    def over(view, clusters, rankdir):
+        e = real(view, clusters, rankdir)
+        return dataclasses.replace(e, across=2 * 72 * dr.fit.PNG_AREA**0.5, along=2 * 72 * dr.fit.PNG_AREA**0.5)
+
+    monkeypatch.setattr(dr.fit, "estimate_view", over)
+    monkeypatch.setattr(dr.draw, "estimate_view", over)
+    _within_bound(fxnx.draw(G, tmp_path / "g.png"))
+    monkeypatch.setattr(dr.fit, "PNG_AREA", 1e-3)  # dot's layout too large as well
+    with pytest.raises(fxnx.errors.FxnxValueError, match="too large for a readable PNG"):
+        fxnx.draw(G, tmp_path / "h.png")

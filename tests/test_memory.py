@@ -287,6 +287,17 @@ class ViewModulesAndEvalDropout(nn.Module):
         return F.dropout(self.body(x), 0.5, training=False).sum()
 
 
+class EvalDropoutModules(nn.Module):
+    """Dropout layers in eval mode return their input itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop, self.drop1d = nn.Dropout(0.5), nn.Dropout1d(0.5)
+
+    def forward(self, x):
+        return self.drop1d(self.drop(x.relu())).sum()
+
+
 class TupleOutput(nn.Module):
     def forward(self, x):
         return x.relu(), (x * 2).transpose(0, 1)
@@ -320,6 +331,7 @@ EDGE_CASES = {
     "new_dtype_cast": (NewDtypeCast, _one(16, 32)),
     "view_modules_and_eval_dropout": (ViewModulesAndEvalDropout, _one(16, 32)),
     "tuple_output": (TupleOutput, _one(16, 32)),
+    "eval_dropout_modules": (lambda: EvalDropoutModules().eval(), _one(16, 32)),
 }
 
 
@@ -348,6 +360,17 @@ def _schema_kind(schema) -> str:
     if any(a is not None and a.is_write for a in aliases):
         return "write"
     return "view" if any(a is not None for a in aliases) else "new"
+
+
+def test_eval_dropout_in_an_exported_graph_returns_its_input():
+    """torch.export records an eval-mode dropout layer as aten.dropout(x, p, train=False),
+    which returns x itself. Oracle: the symbolically traced model's measured run."""
+    model, (x,) = EvalDropoutModules().eval(), _one(16, 32)()
+    G = fxnx.convert(model, x, routes=("export",))
+    assert any(d["target"] == "torch.ops.aten.dropout.default" for _, d in G.nodes(data=True))
+    with torch.no_grad(), StorageTracker([x]) as run:
+        torch.fx.symbolic_trace(model)(x)
+    assert memory_profile(G).peak_bytes == run.peak
 
 
 def test_aten_views_are_the_operators_whose_schema_returns_an_alias():

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import warnings
 from functools import partial
 from pathlib import Path
@@ -21,10 +23,11 @@ import networkx as nx
 
 from .._errors import FxnxValueError
 from .dot import check_options, pydot_of
-from .estimate import bounded_options, estimate_view
+from .estimate import Estimate, bounded_options, estimate_view
 from .fit import (
     MAX_DPI,
     MAX_PIXELS,
+    PNG_WORK,
     fits_png,
     fitting,
     named,
@@ -33,7 +36,7 @@ from .fit import (
     readable,
     smaller,
 )
-from .graphviz import Drawing, file_format, need_dot
+from .graphviz import Drawing, file_format, need_dot, run_dot
 from .view import acyclic, module_depth, view_of, without_checks
 
 #: The formats drawn within a PNG's bounds when no ``depth`` is given: a PNG, the DOT text
@@ -138,6 +141,10 @@ def _drawing(G: nx.MultiDiGraph, fmt: str | None, depth: int | None, dpi: int,
     fold = options.get("color_by") is None
     if depth is None and fmt in BOUNDED:
         depth, view, guess = png_depth(G, dpi, clusters, fold, rankdir)
+        if not fits_png(guess, dpi) and guess.work <= PNG_WORK:
+            # The estimate errs large (its worst case): where it puts even the shallowest view
+            # over a PNG's area, dot's own layout of it decides.
+            guess = laid_out(view, guess, options) or guess
         if not fits_png(guess, dpi):
             if readable(guess):  # only the resolution makes it too large
                 why = (f"{named(G)} would exceed Graphviz's {MAX_PIXELS}-pixel limit for PNG "
@@ -168,6 +175,17 @@ def _drawing(G: nx.MultiDiGraph, fmt: str | None, depth: int | None, dpi: int,
     dot = pydot_of(view, graph_attrs=attrs, **defaults(options)).to_string()
     return Drawing(dot, name=named(G), nodes=view.number_of_nodes(), depth=depth, dpi=dpi,
                    advice=partial(smaller, G, depth, fold), work=(guess.nodes, guess.virtual))
+
+
+def laid_out(view: nx.MultiDiGraph, guess: Estimate, options: dict[str, Any]) -> Estimate | None:
+    """``guess`` with the size of dot's own layout of ``view``; None without Graphviz."""
+    if shutil.which("dot") is None:
+        return None
+    text = pydot_of(view, graph_attrs=bounded_options(guess), **defaults(options)).to_string()
+    plain, _ = run_dot(text, "plain", "the view")
+    _, _, width, height = plain.split(maxsplit=4)[:4]  # "graph scale width height", in inches
+    across, along = sorted((float(width) * 72, float(height) * 72))  # the area and the longer side count
+    return dataclasses.replace(guess, across=across, along=along)
 
 
 def defaults(options: dict[str, Any]) -> dict[str, Any]:

@@ -250,6 +250,8 @@ def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:
         (node, module_path(data["target"].rpartition(".")[0] or str(data.get("scope") or "")))
         for node, data in G.nodes(data=True) if data.get("op") == "get_attr"
     )
+    for node, owner in owners.items():  # a weight tied across modules belongs to what they share
+        owners[node] = _shared_path([owner, *(_path(G.nodes[user]) for user in G.successors(node))])
     for node, data in G.nodes(data=True):
         path = owners.get(node, _path(data))
         parts = path.split(".") if path else []
@@ -259,6 +261,17 @@ def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:
         if len(parts) >= depth and not leaf_call:
             group[node] = ".".join(parts[:depth]) + suffix
     return group
+
+
+def _shared_path(paths: list[str]) -> str:
+    """The deepest module path that every one of ``paths`` lies in ("" for the model)."""
+    split = [path.split(".") if path else [] for path in paths]
+    shared: list[str] = []
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) > 1:
+            break
+        shared.append(parts[0])
+    return ".".join(shared)
 
 
 def _names(G: nx.MultiDiGraph, group: dict[Any, str]) -> dict[Any, Any]:
