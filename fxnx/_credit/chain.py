@@ -4,20 +4,21 @@ In a deep, narrow MLP routed by feedback alignment (or sign symmetry, Kolen–Po
 mirrors) every ``nn.Linear`` is an autograd function of its own (:class:`.native._Linear`),
 and at small widths the autograd node and the Python backward of each cost more than its
 arithmetic. :func:`fuse` replaces each run of two or more such layers in the router's graph,
-joined directly or through one elementwise activation (ReLU, tanh, sigmoid, GELU, SiLU,
-leaky ReLU) whose value nothing else reads, by one node calling :func:`chain_call`: one
-autograd function whose backward walks the run from its end, sending each layer's credit as
-:class:`.native._Linear` sends it (``credit·B`` to the input, ``creditᵀ·x`` and the credit
-summed to the weight and bias) and each activation's as autograd's own backward of it does
-(the same ATen derivative on the same saved tensor: the same bits). Credit still flows
-along ``G``'s edges, node by node in reverse order; only the autograd nodes between them are
-gone.
+one after another with nothing between them, joined directly or through one elementwise
+activation (ReLU, tanh, sigmoid, GELU, SiLU, leaky ReLU) whose value nothing else reads, by
+one node calling :func:`chain_call`: one autograd function whose backward walks the run from
+its end, sending each layer's credit as :class:`.native._Linear` sends it (``credit·B`` to
+the input, ``creditᵀ·x`` and the credit summed to the weight and bias) and each activation's
+as autograd's own backward of it does (the same ATen derivative on the same saved tensor: the
+same bits). Credit still flows along ``G``'s edges, node by node in reverse order; only the
+autograd nodes between them are gone, so each parameter's credit reaches it (and its hooks,
+and DDP's reduction) once the whole run's backward is done.
 
-At each call the run checks what :func:`.native.native_call` checks of each layer (an
-``nn.Linear`` that nothing hooks, holding the weights the router bound its feedback to, on a
-2-D real input, gradients on, no autocast), and that each activation runs torch's own
-forward and nothing hooks it; where anything differs, the run's nodes are called one by one,
-as the graph would have called them.
+At each call the run checks that each layer could run as :class:`.native._Linear`
+(:func:`.native.one_function`), that each activation runs torch's own forward and nothing
+hooks it, and that gradients are on without autocast; where anything differs, the run's nodes
+are called one by one, as the graph would have called them. Its backward records no graph
+(``create_graph=True`` through it is refused).
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._compat import linear_parameters, own_forward, runs_own_forward, version
+from .._compat import own_forward, runs_own_forward, version
+from .._errors import FxnxValueError
 from .native import (
-    PLAIN_TENSORS,
     NativeSpec,
-    _first_order,
     _sign_written,
-    feedback_written,
+    input_feedback,
+    linear_weights,
     native_call,
+    one_function,
 )
 
 __all__ = ["Chain", "chain_call", "fuse"]
@@ -51,14 +53,22 @@ _aten = torch.ops.aten
 @dataclasses.dataclass(frozen=True)
 class Activation:
     """An elementwise activation: its forward, and autograd's own backward of it (the ATen
-    derivative its ``grad_fn`` calls, which for an elementwise function is also its
-    forward-mode derivative), reading the activation's input (``reads_input``) or output."""
+    derivative its ``grad_fn`` calls) reading the activation's input (``reads_input``) or output;
+    ``tangent`` is torch's forward-mode derivative of it where that is another formula."""
 
     forward: Callable[[Tensor, Any], Tensor]
     backward: Callable[[Tensor, Tensor, Any], Tensor]
     reads_input: bool
     #: the activation's constant from its module (a slope, GELU's approximation), or None
     setting: Callable[[Any], Any] = lambda module: None
+    tangent: Callable[[Tensor, Tensor, Any], Tensor] | None = None
+
+
+def _silu_tangent(t: Tensor, z: Tensor, _: Any) -> Tensor:
+    """SiLU's forward-mode derivative as torch computes it with gradients on
+    (``infinitely_differentiable_silu_backward``), operation for operation."""
+    sigmoid = z.sigmoid()
+    return t * sigmoid * (1.0 + z * (1.0 - sigmoid))
 
 
 _RELU = Activation(lambda z, _: torch.relu(z), lambda g, y, _: _aten.threshold_backward.default(g, y, 0), False)
@@ -66,7 +76,7 @@ _TANH = Activation(lambda z, _: torch.tanh(z), lambda g, y, _: _aten.tanh_backwa
 _SIGMOID = Activation(lambda z, _: torch.sigmoid(z), lambda g, y, _: _aten.sigmoid_backward.default(g, y), False)
 _GELU = Activation(lambda z, a: F.gelu(z, approximate=a), lambda g, z, a: _aten.gelu_backward.default(g, z, approximate=a),
                    True, lambda m: m.approximate)
-_SILU = Activation(lambda z, _: F.silu(z), lambda g, z, _: _aten.silu_backward.default(g, z), True)
+_SILU = Activation(lambda z, _: F.silu(z), lambda g, z, _: _aten.silu_backward.default(g, z), True, tangent=_silu_tangent)
 _LEAKY = Activation(lambda z, s: F.leaky_relu(z, s), lambda g, z, s: _aten.leaky_relu_backward.default(g, z, s, False),
                     True, lambda m: m.negative_slope)
 
@@ -90,7 +100,6 @@ class Step:
     layer's output itself)."""
 
     spec: NativeSpec
-    W: Tensor  # the weight the router bound the layer's feedback to
     act: Activation | None
     #: the activation as the graph calls it, on the layer's output
     call_act: Callable[[Tensor], Tensor] | None
@@ -99,6 +108,29 @@ class Step:
     setting: Any  # a function's constant (a module's is read at each call)
     #: the captured nodes it computes: the layer's, then the activation's
     nodes: tuple[fx.Node, fx.Node | None]
+
+    def calls(self) -> list[tuple[Callable[[Any], Any], fx.Node]]:
+        """Its nodes as the graph calls them, each with the captured node it computes."""
+        layer, act = self.nodes
+        found: list[tuple[Callable[[Any], Any], fx.Node]] = [(functools.partial(native_call, self.spec), layer)]
+        if self.call_act is not None:
+            found.append((self.call_act, cast(fx.Node, act)))
+        return found
+
+    def constant(self) -> Any:
+        """The activation's constant for this call; raises :class:`_Apart` where its module
+        cannot run as part of the run now (a hook, a patched forward, made in place since)."""
+        module = self.module
+        if module is None:
+            return self.setting
+        act = cast(Activation, self.act)
+        if not runs_own_forward(module, self.own) or (act is not _RELU and getattr(module, "inplace", False)):
+            raise _Apart
+        return act.setting(module)
+
+
+class _Apart(Exception):
+    """A node of a run cannot run as part of it at this call: the run's nodes run one by one."""
 
 
 @dataclasses.dataclass
@@ -112,140 +144,143 @@ class Chain:
         """The names of the run's nodes, in order."""
         return [n.name for step in self.steps for n in step.nodes if n is not None]
 
-    def calls(self) -> list[tuple[Callable[[Any], Any], fx.Node]]:
-        """The run's nodes as the graph would call them, one by one, each with the captured
-        node it computes."""
-        found: list[tuple[Callable[[Any], Any], fx.Node]] = []
-        for step in self.steps:
-            layer, act = step.nodes
-            found.append((functools.partial(native_call, step.spec), layer))
-            if step.call_act is not None and act is not None:
-                found.append((step.call_act, act))
-        return found
-
     def unfused(self, x: Any) -> Any:
         """The run's nodes called one by one, as the graph would call them."""
         for step in self.steps:
-            x = native_call(step.spec, x)
-            if step.call_act is not None:
-                x = step.call_act(x)
+            for call, _ in step.calls():
+                x = call(x)
         return x
 
 
 def chain_call(chain: Chain, x: Any) -> Any:
     """The run on ``x``: as one autograd function where each of its layers and activations
-    can run so at this call, else its nodes one by one."""
-    if (not torch.is_grad_enabled() or type(x) not in PLAIN_TENSORS or x.dim() != 2
-            or not x.is_floating_point() or torch.is_autocast_enabled(x.device.type)):
+    can run so at this call (:func:`.native.one_function`, :func:`.native.linear_weights`,
+    :meth:`Step.constant`), with
+    gradients on and no autocast; else its nodes one by one."""
+    first = chain.steps[0].spec
+    if not torch.is_grad_enabled() or torch.is_autocast_enabled(first.device) or getattr(x, "is_inference", bool)():
         return chain.unfused(x)
     params: list[Tensor | None] = []
-    settings = []
-    for step in chain.steps:
-        held = linear_parameters(step.spec.linear)
-        if held is None or held[0] is not step.W or (step.module is not None and not runs_own_forward(step.module, step.own)):
-            return chain.unfused(x)
-        params += held
-        act = step.act
-        settings.append(step.setting if act is None or step.module is None else act.setting(step.module))
+    constants = []
+    try:
+        for step in chain.steps:
+            # the run computes each later layer's input: a plain 2-D tensor where the first's is
+            layer = one_function(step.spec, x) if step.spec is first else linear_weights(step.spec)
+            if layer is None:
+                raise _Apart
+            params += layer
+            constants.append(step.constant())
+    except _Apart:
+        return chain.unfused(x)
     feedback = []
     for step in chain.steps:
-        spec = step.spec
-        spec.use()
-        feedback.append(spec.spans[0][3])
-    return _Chain.apply(chain, (tuple(feedback), tuple(settings)), x, *params)
+        step.spec.use()
+        feedback.append(step.spec.spans[0][3])
+    return _Chain.apply(chain, _Taken(tuple(feedback), tuple(constants)), x, *params)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Taken:
+    """What one call of a run took: each layer's feedback (``B``, or sign symmetry's
+    magnitudes) and each activation's constant."""
+
+    feedback: tuple[Any, ...]
+    constants: tuple[Any, ...]
 
 
 class _Chain(torch.autograd.Function):
     """A run of linear layers and activations (see the module's docstring). Saved as autograd
     saves: each layer's input, each activation's input or output, and for sign symmetry the
-    weights whose ``sign(W)`` the backward reads, through the caller's saved-tensor hooks."""
+    weights whose ``sign(W)`` the backward reads, through the caller's saved-tensor hooks.
+    Each parameter's credit reaches it when the whole run's backward is done (a hook on it runs
+    then; DDP reduces it then), not layer by layer."""
 
     @staticmethod
-    def forward(ctx: Any, chain: Chain, held: tuple[tuple[Any, ...], tuple[Any, ...]], x: Tensor, *params: Tensor | None) -> Tensor:  # type: ignore[override]
-        feedback, settings = held
+    def forward(ctx: Any, chain: Chain, taken: _Taken, x: Tensor, *params: Tensor | None) -> Tensor:  # type: ignore[override]
         needs = ctx.needs_input_grad
         below = needs[2]  # whether the current layer's input takes credit
         saved: list[Tensor] = []
-        #: each layer's places in saved: its input, its W (sign symmetry), its activation's
-        #: input or output (-1: the next layer's input)
-        index: list[tuple[int, int | None, int | None]] = []
+        #: each layer's places in saved: its input, its W (sign symmetry, where its input
+        #: takes credit) and what its activation's backward reads
+        places: list[list[int | None]] = []
+        awaiting: int | None = None  # the layer whose activation reads its output: the next input
         sends, stamps = [], []
         ctx.first, ctx.start = weakref.ref(x), version(x)
         for i, step in enumerate(chain.steps):
             W, b = cast(Tensor, params[2 * i]), params[2 * i + 1]
-            place, at_W, at_act = len(saved), None, None
+            if awaiting is not None:
+                places[awaiting][2] = len(saved)
+            place: list[int | None] = [len(saved), None, None]
             saved.append(x)
             sends.append(below)
             if step.spec.signs:
                 stamps.append(version(W) if below else None)
                 if below:
-                    at_W = len(saved)
+                    place[1] = len(saved)
                     saved.append(W)
             else:
-                stamps.append(version(feedback[i]))
+                stamps.append(version(taken.feedback[i]))
             x = F.linear(x, W, b)
-            act = step.act
+            act, awaiting = step.act, None
             if act is not None:
                 if act.reads_input:
-                    at_act = len(saved)
+                    place[2] = len(saved)
                     saved.append(x)
                 else:
-                    at_act = -1
-                x = act.forward(x, settings[i])
-            index.append((place, at_W, at_act))
+                    awaiting = i
+                x = act.forward(x, taken.constants[i])
+            places.append(place)
             below = below or needs[3 + 2 * i] or needs[4 + 2 * i]
-        inputs = [saved[place] for place, _, _ in index]
-        place, at_W, at_act = index[-1]
-        if at_act == -1:  # the last activation reads its output: the run's output
-            index[-1] = (place, at_W, len(saved))
+        inputs = [saved[cast(int, place[0])] for place in places]
+        if awaiting is not None:  # the last activation reads its output: the run's output
+            places[awaiting][2] = len(saved)
             saved.append(x)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*inputs, *params)
-        ctx.chain, ctx.feedback, ctx.settings, ctx.sends, ctx.stamps, ctx.index = chain, feedback, settings, sends, stamps, index
+        ctx.chain, ctx.taken, ctx.sends, ctx.stamps, ctx.places = chain, taken, sends, stamps, places
         return x
 
     @staticmethod
     def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         chain: Chain = ctx.chain
         steps = chain.steps
+        if torch.is_grad_enabled():  # its backward records no graph of its own
+            raise FxnxValueError(
+                f"create_graph=True through nodes {chain.names[0]!r} to {chain.names[-1]!r}, "
+                "a run of layers routed by weight transport as one autograd function, whose "
+                "backward cannot be differentiated: route them with rule 'exact' for "
+                "higher-order gradients"
+            )
         try:
             saved = ctx.saved_tensors
         except RuntimeError as error:  # autograd's own check, on what the forward pass saved
-            for step, stamp in zip(steps, ctx.stamps, strict=True):
-                if step.spec.signs and stamp is not None and version(step.W) != stamp:
+            for step, stamp in reversed(list(zip(steps, ctx.stamps, strict=True))):  # as the backward meets them
+                if step.spec.signs and stamp is not None and version(step.spec.weights[step.spec.first]) != stamp:
                     raise _sign_written(step.spec.call.name) from None
             first = ctx.first()
             node = chain.names[0] if first is not None and version(first) != ctx.start else chain.names[-1]
             raise RuntimeError(f"node {node!r}: {error}") from None
-        needs, index = ctx.needs_input_grad, ctx.index
+        needs, taken = ctx.needs_input_grad, ctx.taken
         grads: list[Tensor | None] = [None] * (2 * len(steps))
         g = credit
         for i in range(len(steps) - 1, -1, -1):
             step = steps[i]
-            place, at_W, at_act = index[i]
-            act = step.act
-            if act is not None:
-                g = act.backward(g, saved[index[i + 1][0] if at_act == -1 else at_act], ctx.settings[i])
+            place, at_W, at_act = ctx.places[i]
+            if step.act is not None:
+                g = step.act.backward(g, saved[at_act], taken.constants[i])
             if needs[3 + 2 * i]:
                 grads[2 * i] = g.T @ saved[place]
             if needs[4 + 2 * i]:
                 grads[2 * i + 1] = g.sum(0)
             if not ctx.sends[i]:
                 break
-            node = step.spec.call.name
-            _first_order(node)
-            if at_W is not None:
-                B = ctx.feedback[i].signed(saved[at_W].detach(), node)
-            else:
-                B = ctx.feedback[i]
-                if version(B) != ctx.stamps[i]:
-                    raise RuntimeError(feedback_written(node))
-            g = g @ B
+            W = saved[at_W] if at_W is not None else None
+            g = g @ input_feedback(taken.feedback[i], W, ctx.stamps[i], step.spec.call.name)
         return (None, None, g if needs[2] else None, *grads)
 
     @staticmethod
-    def jvp(ctx: Any, _chain: None, _held: None, tx: Tensor | None, *tparams: Tensor | None) -> Tensor:
-        steps = ctx.chain.steps
+    def jvp(ctx: Any, _chain: None, _taken: None, tx: Tensor | None, *tparams: Tensor | None) -> Tensor:
+        steps, constants = ctx.chain.steps, ctx.taken.constants
         forward = ctx.saved_tensors  # what forward saved for forward mode: each layer's input, then the parameters
         params = forward[len(steps):]
         t = tx
@@ -259,7 +294,8 @@ class _Chain(torch.autograd.Function):
             act = step.act
             if act is not None and t is not None:
                 z = F.linear(x, W, b)
-                t = act.backward(t, z if act.reads_input else act.forward(z, ctx.settings[i]), ctx.settings[i])
+                read = z if act.reads_input else act.forward(z, constants[i])
+                t = (act.tangent or act.backward)(t, read, constants[i])
         assert t is not None  # forward mode calls jvp where some input has a tangent
         return t
 
@@ -268,38 +304,25 @@ def fuse(graph: fx.Graph, root: dict[str, Any], origin: dict[str, fx.Node]) -> N
     """Replace each run of two or more weight-transport ``nn.Linear`` layers in ``graph`` (the
     router's, calling :func:`.native.native_call`), each layer's value read by the next layer
     alone, directly or through an activation that nothing else reads, by one
-    :func:`chain_call` node. ``root`` holds what ``graph``'s attributes name (the chain is
-    added to it); ``origin`` maps a node of ``graph`` to the captured node it computes (the
-    new node computes the run's first)."""
+    :func:`chain_call` node. The run's nodes must follow one another in ``graph``, nothing run
+    between them (a write into a weight, ``torch.no_grad()``'s clamp, would otherwise run after
+    the layers past it), and no layer may hold a weight another layer of the run holds (credit
+    summed in autograd's order). ``root`` holds what ``graph``'s attributes name (the chain is
+    added to it); ``origin`` maps a node of ``graph`` to the captured node it computes (the new
+    node computes the run's first)."""
     taken: set[fx.Node] = set()
     for node in list(graph.nodes):
         if node in taken or _layer(node, root) is None:
             continue
-        run: list[tuple[fx.Node, fx.Node | None, Activation | None, Any]] = []
-        current: fx.Node | None = node
-        while current is not None:
-            act_node, act, setting = None, None, None
-            users = list(current.users)
-            end = current
-            if len(users) == 1:
-                found = _activation(users[0], current, root)
-                if found is not None:
-                    act_node, (act, setting) = users[0], found
-                    end = act_node
-            run.append((current, act_node, act, setting))
-            following = list(end.users)
-            current = None
-            if len(following) == 1 and _layer(following[0], root) is not None and following[0].args[1] is end:
-                current = following[0]
+        run = _run_from(node, root)
         if len(run) < 2:
             continue
         steps = []
         for layer, act_node, act, setting in run:
-            spec = _layer(layer, root)
-            assert spec is not None  # found above
+            spec = cast(NativeSpec, _layer(layer, root))
             module = root[str(act_node.target)] if act_node is not None and act_node.op == "call_module" else None
             nodes = (origin[layer.name], origin[act_node.name] if act_node is not None else None)
-            steps.append(Step(spec, spec.weights[spec.first], act, _as_called(act_node, root), module,
+            steps.append(Step(spec, act, _as_called(act_node, root), module,
                               _MODULES[type(module)][1] if module is not None else None, setting, nodes))
         chain = Chain(steps)
         first, last = run[0][0], run[-1][1] or run[-1][0]
@@ -313,10 +336,40 @@ def fuse(graph: fx.Graph, root: dict[str, Any], origin: dict[str, fx.Node]) -> N
             for n in (act_node, layer):
                 if n is not None:
                     taken.add(n)
-                    held = n.args[0] if n is layer else None
+                    spec_node = n.args[0] if n is layer else None
                     graph.erase_node(n)
-                    if isinstance(held, fx.Node) and not held.users:
-                        graph.erase_node(held)
+                    if isinstance(spec_node, fx.Node) and not spec_node.users:
+                        graph.erase_node(spec_node)
+
+
+def _run_from(node: fx.Node, root: dict[str, Any]) -> list[tuple[fx.Node, fx.Node | None, Activation | None, Any]]:
+    """The run of layers that begins at the layer ``node`` (see :func:`fuse`): each layer, its
+    activation's node, the activation and its constant."""
+    run: list[tuple[fx.Node, fx.Node | None, Activation | None, Any]] = []
+    held: set[int] = set()  # the run's weights and layers, by identity
+    current: fx.Node | None = node
+    while current is not None:
+        spec = cast(NativeSpec, _layer(current, root))
+        mine = {id(spec.linear), *map(id, spec.weights.values())}
+        if held & mine:
+            break
+        held |= mine
+        act_node, act, setting = None, None, None
+        end = current
+        users = list(current.users)
+        if len(users) == 1 and users[0] is current.next:
+            found = _activation(users[0], current, root)
+            if found is not None:
+                act_node, (act, setting) = users[0], found
+                end = act_node
+        run.append((current, act_node, act, setting))
+        following = list(end.users)
+        current = None
+        if len(following) == 1 and _layer(following[0], root) is not None and following[0].args[1] is end:
+            spec_node = following[0].args[0]
+            if end.next is spec_node and cast(fx.Node, spec_node).next is following[0]:  # nothing between
+                current = following[0]
+    return run
 
 
 def _layer(node: fx.Node, root: dict[str, Any]) -> NativeSpec | None:

@@ -141,7 +141,7 @@ class Graft:
                     raise node_failure("the credit run's forward pass", captured, args, kwargs, err) from err
 
             def run_chain(self, chain: Chain, x: Any) -> Any:
-                for call, captured in chain.calls():
+                for call, captured in (found for step in chain.steps for found in step.calls()):
                     try:
                         x = call(x)
                     except Exception as err:

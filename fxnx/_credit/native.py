@@ -220,6 +220,35 @@ def _first_order(node: str) -> None:
         )
 
 
+def one_function(spec: NativeSpec, x: Any) -> tuple[Tensor, Tensor | None] | None:
+    """The weight and bias of an ``nn.Linear`` node that can run on ``x`` as one autograd
+    function (:class:`_Linear`): a layer :func:`linear_weights` takes, on a plain 2-D tensor
+    (F.linear's output is then no view); None otherwise."""
+    return linear_weights(spec) if type(x) in PLAIN_TENSORS and x.dim() == 2 else None
+
+
+def linear_weights(spec: NativeSpec) -> tuple[Tensor, Tensor | None] | None:
+    """The weight and bias of an ``nn.Linear`` node that nothing hooks, holding the weight the
+    router bound its feedback to, a real one; None otherwise."""
+    params = linear_parameters(spec.linear) if spec.linear is not None else None
+    if params is None or params[0] is not spec.weights[spec.first] or not params[0].is_floating_point():
+        return None
+    return params
+
+
+def input_feedback(feedback: Any, W: Tensor | None, stamp: int | None, node: str) -> Tensor:
+    """What a layer's backward multiplies its output's credit by for its input's credit, refusing
+    a backward that records its own graph: sign symmetry's ``sign(W)·M`` from the ``W`` the
+    forward pass saved (``feedback`` its magnitudes), else ``feedback``, the ``B`` the forward pass
+    took, refused where it was written since (its write counter then, ``stamp``)."""
+    _first_order(node)
+    if W is not None:
+        return feedback.signed(W.detach(), node)  # type: ignore[no-any-return]
+    if version(feedback) != stamp:
+        raise RuntimeError(feedback_written(node))
+    return feedback  # type: ignore[no-any-return]
+
+
 def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # nothing is saved: the layer as it is
         return spec.fn(*args, **kwargs)
@@ -228,12 +257,9 @@ def native_call(spec: NativeSpec, *args: Any, **kwargs: Any) -> Any:
         _check_owned(spec)
         return _on_its_own_graph(spec, args, kwargs)
     spec.use()
-    # an nn.Linear that nothing hooks, on one positional input: its weight and bias
-    params = linear_parameters(spec.linear) if spec.linear is not None and len(args) == 1 and not kwargs else None
-    if params is not None and type(args[0]) in PLAIN_TENSORS and params[0] is spec.spans[0][2]:
-        x = args[0]
-        if x.dim() == 2 and params[0].is_floating_point():  # F.linear's output is no view
-            return _Linear.apply(x, *params, spec, spec.spans[0][3])
+    params = one_function(spec, args[0]) if len(args) == 1 and not kwargs else None
+    if params is not None:
+        return _Linear.apply(args[0], *params, spec, spec.spans[0][3])
     _check_owned(spec)
     if spec.call.module is not None and _reads_its_weight(spec, args, kwargs):
         # A layer applied to its own weight (fc(fc.weight)) saves W as its input too, for
@@ -369,14 +395,7 @@ class _Linear(torch.autograd.Function):
         x = saved[0]
         sent = None
         if needs[0]:
-            _first_order(node)
-            if spec.signs:
-                B = ctx.feedback.signed(saved[1].detach(), node)
-            else:
-                B = ctx.feedback
-                if version(B) != ctx.stamp:
-                    raise RuntimeError(feedback_written(node))
-            sent = credit @ B
+            sent = credit @ input_feedback(ctx.feedback, saved[1] if spec.signs else None, ctx.stamp, node)
         return sent, credit.T @ x if needs[1] else None, credit.sum(0) if needs[2] else None, None, None
 
     @staticmethod
