@@ -23,6 +23,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from ._callinfo import bind_call, fetch_attr, occurrences, qualified_name
 from ._capture import Capture, capture
+from ._compat import uncompiled
 from ._costs import kernel, node_flops, propagate_and_count
 from ._errors import FxnxTypeError
 from ._version import FORMAT_VERSION, __version__
@@ -152,6 +153,28 @@ def graph_from_capture(cap: Capture) -> nx.MultiDiGraph:
     return _graph(cap, None)
 
 
+def _with_containers(modules: dict[str, str], model: Any) -> dict[str, str]:
+    """``modules`` with the containers no node calls (an ``nn.ModuleList``, an
+    ``nn.ModuleDict``) that hold a module in it, each placed before its first member, where
+    the model has it: GPT-2's ``h`` around its blocks ``h.0``, ``h.1``."""
+    model = uncompiled(model)
+    if not isinstance(model, nn.Module):
+        return modules
+    found: dict[str, str] = {}
+    for path, name in modules.items():
+        parts = path.split(".") if path else []
+        for end in range(1, len(parts)):
+            outer = ".".join(parts[:end])
+            if outer in modules or outer in found:
+                continue
+            try:
+                found[outer] = qualified_name(type(model.get_submodule(outer)))
+            except AttributeError:  # a path the model does not hold (a scope export made)
+                continue
+        found[path] = name
+    return found
+
+
 def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None) -> nx.MultiDiGraph:
     """The graph of ``cap``; ``flops`` are its nodes' counts where propagation counted them."""
     if flops is None and cap.shape_source is not None:
@@ -217,7 +240,7 @@ def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None)
             for node in gm.graph.nodes
             if node.op == "placeholder"
         ],
-        modules=modules,
+        modules=_with_containers(modules, cap.model),
         num_params=sum(p.numel() for p in gm.parameters())
         + sum(G.nodes[name]["num_params"] for name in primals),
         trainable_params=sum(p.numel() for p in gm.parameters() if p.requires_grad)

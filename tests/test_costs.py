@@ -78,7 +78,14 @@ def test_flops_equal_flop_counter_mode_in_total_and_per_module(name, torchvision
         for path, ops in counter.get_flop_counts().items() if path != "Global"
     }
     ours = {row["module"]: row["flops"] for row in module_costs(G) if row["flops"]}
-    assert ours == {path: flops for path, flops in theirs.items() if flops}
+    # A container no node calls (BERT's encoder.layer, an nn.ModuleList) is no call
+    # FlopCounterMode sees: its row holds what its members' rows hold.
+    containers = {path for path in ours if path not in theirs}
+    for path in containers:
+        assert type(model.get_submodule(path)).forward is torch.nn.Module.forward  # no forward of its own
+        members = [flops for child, flops in theirs.items() if child.rpartition(".")[0] == path]
+        assert ours[path] == sum(members)
+    assert {p: f for p, f in ours.items() if p not in containers} == {path: flops for path, flops in theirs.items() if flops}
 
 
 @pytest.mark.parametrize("level", ["aten", "joint"])

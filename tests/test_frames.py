@@ -180,3 +180,34 @@ def test_tables_need_neither_torch_nor_pandas(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "Total MACs: 384" in done.stdout
+
+
+class _Blocks(torch.nn.Module):
+    """Blocks held in an nn.ModuleList, which no node calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2))
+        self.heads = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 2)})
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.heads["a"](x)
+
+
+@pytest.mark.parametrize("routes", [("symbolic_trace",), ("export",)])
+def test_a_container_no_node_calls_has_its_row_above_its_members(routes):
+    """Oracle: the model's own modules (named_modules, in order) and their parameter counts."""
+    model = _Blocks()
+    G = fxnx.convert(model, torch.randn(3, 4), routes=routes)
+    rows = {row["module"]: row for row in fxnx.frames.module_costs(G)}
+    assert list(rows) == [name for name, _ in model.named_modules()]
+    for name in ("blocks", "heads"):
+        assert rows[name]["type"] == type(model.get_submodule(name)).__module__ + "." + type(model.get_submodule(name)).__qualname__
+        assert rows[name]["params"] == sum(p.numel() for p in model.get_submodule(name).parameters())
+        assert rows[name]["depth"] == 1
+    table = fxnx.frames.cost_table(G, depth=2)
+    assert "  blocks (ModuleList)" in table and "    0 (Sequential)" in table

@@ -889,3 +889,19 @@ def test_draw_and_to_pydot_leave_G_as_it_was(model, options, tmp_path):
     fxnx.draw(G, **options).dot  # noqa: B018  (the inline drawing's DOT text)
     assert_graphs_equal(G, before)
     assert not any("branch_role" in d for _, d in G.nodes(data=True))  # skips marked on a copy
+
+
+def test_an_edge_of_several_tensors_is_labelled_by_their_count():
+    """unbind's out-edge carries three tensors, not one of shape a×b×c: labelled by their
+    count and their one shape (the premise: G's edge holds a list of three shapes)."""
+
+    class Unbound(torch.nn.Module):
+        def forward(self, x):
+            a, b, c = x.unbind(0)
+            return a + b * c
+
+    G = fxnx.convert(Unbound(), torch.zeros(3, 2, 4))
+    (shape,) = {str(d["shape"]) for u, _, d in G.edges(data=True) if G.nodes[u]["target"] == "unbind"}
+    assert shape == str([(2, 4)] * 3)
+    text = fxnx.to_pydot(G).to_string()
+    assert '" 3 of 2×4 "' in text and "2×4×2×4" not in text

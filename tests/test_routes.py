@@ -173,6 +173,30 @@ def test_when_every_route_fails_the_error_lists_each_one():
     assert len(message) < 3000  # torch's own messages run to whole graphs
 
 
+class _Embedded(nn.Module):
+    """Fails symbolic tracing (a branch on a value), and runs only on integer ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        if ids.sum() > 0:
+            ids = ids + 0
+        return self.embed(ids)
+
+
+def test_when_the_model_itself_fails_on_the_inputs_that_is_the_error():
+    """Float ids: every route fails because the model does; the error says so, with the
+    model's own message first, not each route's."""
+    with pytest.raises(fxnx.errors.CaptureError) as info:
+        fxnx.convert(_Embedded(), torch.ones(2, 3))
+    message = str(info.value)
+    assert message.startswith("_Embedded itself fails on the example inputs (RuntimeError: Expected tensor for argument #1 'indices'")
+    assert "check the example inputs' shapes and dtypes" in message
+    assert fxnx.convert(_Embedded(), torch.ones(2, 3, dtype=torch.long)).graph["capture"] != "symbolic_trace"
+
+
 def test_routes_that_need_inputs_say_so():
     with pytest.raises(fxnx.errors.CaptureError, match="export needs example inputs"):
         fxnx.convert(Gated(), routes=["symbolic_trace", "export"])

@@ -442,6 +442,13 @@ def _ladder(
                 "data-dependent postprocessing such as NMS), or make export work"
             )
         return name, result, failures, propagation
+    own = _model_failure(model, copied_inputs(given), fake) if len(errors) > 1 else None
+    if own is not None:  # no route can capture a call that fails: the inputs are at fault
+        raise CaptureError(
+            f"{qualname(model)} itself fails on the example inputs ({type(own).__name__}: "
+            f"{first_line(own)}), so no capture route can run it: check the example inputs' "
+            "shapes and dtypes"
+        ) from own
     if failed and len(failed) == len(errors):
         raise failed[0]  # every route's graph failed where it ran: name the first node
     if len(errors) == 1:
@@ -514,16 +521,22 @@ def _check_computes_the_model(
 
 
 def _model_runs(model: Any, inputs: Inputs | None, fake: bool) -> bool:
-    """Whether the model itself runs on the example inputs (nothing it changes is kept), with
-    gradients on, as it runs when called (a forward calling ``h.retain_grad()`` fails without)."""
+    """Whether the model itself runs on the example inputs (see :func:`_model_failure`)."""
+    return _model_failure(model, inputs, fake) is None
+
+
+def _model_failure(model: Any, inputs: Inputs | None, fake: bool) -> Exception | None:
+    """What the model itself raises on the example inputs (nothing it changes is kept), run
+    with gradients on, as it runs when called (a forward calling ``h.retain_grad()`` fails
+    without); None where it runs, or where that cannot be told without real values."""
     if inputs is None or fake:
-        return True  # cannot tell without running real values: try the next route
+        return None
     try:
         with torch.enable_grad(), preserved(model), attributes_kept(model):
             model(*inputs.args, **inputs.kwargs)
-    except Exception:
-        return False
-    return True
+    except Exception as err:  # noqa: BLE001 - the model's own error, reported as such
+        return err
+    return None
 
 
 _PLAIN = (bool, int, float, str, type(None))
