@@ -563,14 +563,16 @@ def scope_subgraph(G: nx.MultiDiGraph, scope: str, *, inputs: bool = True) -> nx
 def _largest_activation(G: nx.MultiDiGraph) -> dict[str, Any]:
     """The biggest value the forward pass computes from its inputs, by the bytes on the
     node's out-edges (the first of equal size in topological order wins): not an input, a
-    parameter, buffer or constant (``get_attr``, a parameter's placeholder in an ATen graph),
+    parameter, buffer or constant (``get_attr``, a parameter's or buffer's placeholder in an
+    ATen graph),
     nor a value computed from those alone (a weight's transpose, ``torch.arange``)."""
     largest: dict[str, Any] = {"node": None, "shape": None, "nbytes": 0}
     fixed: set[str] = set()  # values that do not depend on the inputs
+    primals = G.graph.get("primals", {})  # an ATen graph's placeholders: inputs, parameters, buffers
     for node in topological_order(G):
         data = G.nodes[node]
         op = data.get("op")
-        if op == "get_attr" or (op == "placeholder" and (data.get("num_params") or 0) > 0):
+        if op == "get_attr" or (op == "placeholder" and primals.get(node, {}).get("kind", "input") != "input"):
             fixed.add(node)
             continue
         if op not in ("call_module", "call_function", "call_method"):

@@ -23,7 +23,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from ._callinfo import bind_call, fetch_attr, occurrences, qualified_name
 from ._capture import Capture, capture
-from ._compat import uncompiled
+from ._compat import own_forward, runs_own_forward, uncompiled
 from ._costs import kernel, node_flops, propagate_and_count
 from ._errors import FxnxTypeError
 from ._version import FORMAT_VERSION, __version__
@@ -168,9 +168,11 @@ def _with_containers(modules: dict[str, str], model: Any) -> dict[str, str]:
             if outer in modules or outer in found:
                 continue
             try:
-                found[outer] = qualified_name(type(model.get_submodule(outer)))
+                container = type(model.get_submodule(outer))
             except AttributeError:  # a path the model does not hold (a scope export made)
                 continue
+            if container.forward is nn.Module.forward:  # no forward: a container, never called
+                found[outer] = qualified_name(container)
         found[path] = name
     return found
 
@@ -219,7 +221,8 @@ def _graph(cap: Capture, flops: dict[str, tuple[int | None, int | None]] | None)
         )
         if getattr(module, "inplace", None) is True:
             G.nodes[node.name]["writes_input"] = True
-        elif type(module) in _DROPOUTS and not module.training:  # type: ignore[union-attr]
+        elif (type(module) in _DROPOUTS and not module.training  # type: ignore[union-attr]
+              and runs_own_forward(module, own_forward(type(module)))):  # no hook, no forward of its own
             G.nodes[node.name]["returns_input"] = True  # it returns its input itself
         for arg, source in occurrences(node, names):
             shape, dtype, nbytes = described[source]

@@ -384,7 +384,8 @@ def _storage_source(G: nx.MultiDiGraph, node: str, strided: set[str]) -> str | N
         return out  # torch.add(a, b, out=c), aten.add.out: c
     if data.get("returns_input") is True:
         return first  # nn.Dropout in eval mode
-    if "dropout" in str(target) and name != "native_dropout" and False in (info.get("training"), info.get("train")):
+    dropping = info.get("training", info.get("train"))  # F.dropout's flag, and ATen's
+    if "dropout" in str(target) and name != "native_dropout" and dropping is False:
         return first  # F.dropout(x, training=False), aten.dropout(x, p, False): x itself
     if name in _RESHAPES:
         return None if first in strided else first

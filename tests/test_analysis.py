@@ -303,3 +303,22 @@ def test_the_largest_activation_is_no_weight_nor_made_from_weights_alone(how):
     largest = fxnx.summary(fxnx.convert(model, ids, **how))["largest_activation"]
     assert largest["nbytes"] == max(seen) == 2 * 4 * 16 * 4
     assert _numel(largest["shape"]) == 2 * 4 * 16  # (8, 16) at ATen level: addmm's
+
+
+class _Masked(nn.Module):
+    """A causal-mask buffer (GPT-2's attn.bias) doubled: a value made from a buffer alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(64, 64)))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + (self.mask * 2.0)[:4, :8]
+
+
+@pytest.mark.parametrize("how", [{}, {"routes": ("export",)}, {"level": "aten"}, {"level": "joint"}])
+def test_a_value_made_from_a_buffer_alone_is_no_activation(how):
+    """Oracle: by hand, the biggest value computed from x is lin's output or the sum, 4×8."""
+    largest = fxnx.summary(fxnx.convert(_Masked(), torch.randn(4, 8), **how))["largest_activation"]
+    assert largest["nbytes"] == 4 * 8 * 4

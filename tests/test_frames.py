@@ -211,3 +211,30 @@ def test_a_container_no_node_calls_has_its_row_above_its_members(routes):
         assert rows[name]["depth"] == 1
     table = fxnx.frames.cost_table(G, depth=2)
     assert "  blocks (ModuleList)" in table and "    0 (Sequential)" in table
+
+
+class _Bypassed(torch.nn.Module):
+    """Calls its encoder's projection itself: the encoder's own forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = _Encoder()
+
+    def forward(self, x):
+        return self.enc.proj(x).relu()
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 100)
+
+    def forward(self, x):
+        return self.unused(self.proj(x))
+
+
+def test_a_module_with_a_forward_no_node_runs_has_no_row():
+    """Only containers (no forward of their own) are added: a module whose forward never ran
+    would be shown as if it had, holding a part of its parameters."""
+    G = fxnx.convert(_Bypassed(), torch.randn(2, 4))
+    assert [row["module"] for row in fxnx.frames.module_costs(G)] == ["", "enc.proj"]

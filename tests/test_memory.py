@@ -298,6 +298,18 @@ class EvalDropoutModules(nn.Module):
         return self.drop1d(self.drop(x.relu())).sum()
 
 
+class HookedEvalDropout(nn.Module):
+    """An eval-mode dropout whose forward hook returns a new tensor: not its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.drop.register_forward_hook(lambda module, args, out: out * 2)
+
+    def forward(self, x):
+        return self.drop(x.relu()).sum()
+
+
 class TupleOutput(nn.Module):
     def forward(self, x):
         return x.relu(), (x * 2).transpose(0, 1)
@@ -332,6 +344,7 @@ EDGE_CASES = {
     "view_modules_and_eval_dropout": (ViewModulesAndEvalDropout, _one(16, 32)),
     "tuple_output": (TupleOutput, _one(16, 32)),
     "eval_dropout_modules": (lambda: EvalDropoutModules().eval(), _one(16, 32)),
+    "hooked_eval_dropout": (lambda: HookedEvalDropout().eval(), _one(16, 32)),
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import subprocess
 import warnings
 from functools import partial
 from pathlib import Path
@@ -178,14 +179,24 @@ def _drawing(G: nx.MultiDiGraph, fmt: str | None, depth: int | None, dpi: int,
 
 
 def laid_out(view: nx.MultiDiGraph, guess: Estimate, options: dict[str, Any]) -> Estimate | None:
-    """``guess`` with the size of dot's own layout of ``view``; None without Graphviz."""
+    """``guess`` with the size of dot's own layout of ``view``, and the margin a PNG adds
+    around it (:data:`PNG_PAD` a side); None without Graphviz, or where dot fails on it (the
+    estimate decides then)."""
     if shutil.which("dot") is None:
         return None
     text = pydot_of(view, graph_attrs=bounded_options(guess), **defaults(options)).to_string()
-    plain, _ = run_dot(text, "plain", "the view")
-    _, _, width, height = plain.split(maxsplit=4)[:4]  # "graph scale width height", in inches
-    across, along = sorted((float(width) * 72, float(height) * 72))  # the area and the longer side count
+    try:
+        plain, _ = run_dot(text, "plain", "the view")
+        _, scale, width, height = plain.decode().split(maxsplit=4)[:4]  # "graph scale width height", in inches
+    except (FxnxValueError, subprocess.TimeoutExpired, ValueError):
+        return None
+    inches = (float(width) * float(scale), float(height) * float(scale))
+    across, along = sorted(72 * size + 2 * PNG_PAD for size in inches)  # the area and the longer side count
     return dataclasses.replace(guess, across=across, along=along)
+
+
+#: Points Graphviz's default ``pad`` adds on each side of a PNG's layout.
+PNG_PAD = 4.0
 
 
 def defaults(options: dict[str, Any]) -> dict[str, Any]:

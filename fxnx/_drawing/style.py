@@ -259,16 +259,18 @@ def edge_label(data: dict[str, Any]) -> str | None:
     (' 1×64×56×56 ', ' 3 tensors ', None)
     >>> edge_label({"shape": [(2, 8), (2, 8)]}), edge_label({"shape": {"a": (2,), "b": (3,)}})
     (' 2 of 2×8 ', ' 2 tensors ')
+    >>> edge_label({"shape": ()}), edge_label({"shape": []})
+    (' () ', None)
     """
     shape = data.get("shape")
-    if isinstance(shape, tuple) or (isinstance(shape, list) and all(isinstance(d, int | str) for d in shape)):
+    if isinstance(shape, tuple) or (isinstance(shape, list) and shape and all(isinstance(d, int | str) for d in shape)):
         return _dims(shape)  # one shape (a list, read back by a JSON reader of networkx's own)
     if isinstance(shape, (list, dict)):
         shapes = [leaf for leaf in _shape_leaves(shape) if leaf is not None]
         if not shapes:
             return None
         if len(shapes) > 1 and all(leaf == shapes[0] for leaf in shapes):
-            return f" {len(shapes)} of{_dims(shapes[0])}"
+            return " " + clip(f"{len(shapes)} of {_dims(shapes[0]).strip()}") + " "
         return _dims(shapes[0]) if len(shapes) == 1 else f" {len(shapes)} tensors "
     if data.get("tensors"):
         return f" {clip(data['tensors'])} tensors "
@@ -276,15 +278,17 @@ def edge_label(data: dict[str, Any]) -> str | None:
 
 
 def _dims(shape: Any) -> str:
-    """One shape, as ``" 2×4 "`` (no more of a long one read than is shown)."""
-    return " " + clip("×".join(clip(d) for d in itertools.islice(shape, LABEL_CHARS // 2 + 1))) + " "
+    """One shape, as ``" 2×4 "``, a scalar's as ``" () "`` (no more of a long one read than
+    is shown)."""
+    dims = "×".join(clip(d) for d in itertools.islice(shape, LABEL_CHARS // 2 + 1))
+    return " " + (clip(dims) or "()") + " "
 
 
 def _shape_leaves(shape: Any) -> list[Any]:
     """The shapes in a list or dict of shapes (nested, None for a value that is no tensor)."""
     if shape is None or isinstance(shape, tuple):
         return [shape]
-    if isinstance(shape, list) and all(isinstance(d, int | str) for d in shape):
+    if isinstance(shape, list) and shape and all(isinstance(d, int | str) for d in shape):
         return [tuple(shape)]  # one shape, read back as a list
     values = shape.values() if isinstance(shape, dict) else shape
     return [leaf for value in values for leaf in _shape_leaves(value)]

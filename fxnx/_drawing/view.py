@@ -251,7 +251,8 @@ def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:
         for node, data in G.nodes(data=True) if data.get("op") == "get_attr"
     )
     for node, owner in owners.items():  # a weight tied across modules belongs to what they share
-        owners[node] = _shared_path([owner, *(_path(G.nodes[user]) for user in G.successors(node))])
+        if node in G:  # (primals name the graph's inputs, some of which no node holds)
+            owners[node] = _shared_path([owner, *(_path(G.nodes[user]) for user in G.successors(node))])
     for node, data in G.nodes(data=True):
         path = owners.get(node, _path(data))
         parts = path.split(".") if path else []
