@@ -3,7 +3,7 @@
 In a deep, narrow MLP routed by feedback alignment (or sign symmetry, Kolen–Pollack, weight
 mirrors) every ``nn.Linear`` is an autograd function of its own (:class:`.native._Linear`),
 and at small widths the autograd node and the Python backward of each cost more than its
-arithmetic. :func:`fuse` replaces each run of two or more such layers in the router's graph,
+arithmetic. :func:`.fuse.fuse` replaces each run of two or more such layers in the router's graph,
 one after another with nothing between them, joined directly or through one elementwise
 activation (ReLU, tanh, sigmoid, GELU, SiLU, leaky ReLU) whose value nothing else reads, by
 one node calling :func:`chain_call`: one autograd function whose backward walks the run from
@@ -45,7 +45,7 @@ from .native import (
     one_function,
 )
 
-__all__ = ["Chain", "chain_call", "fuse"]
+__all__ = ["Activation", "ActivationCall", "Chain", "Step", "activation_call", "activation_of", "chain_call"]
 
 _aten = torch.ops.aten
 
@@ -95,17 +95,34 @@ _METHODS = {"relu": _RELU, "tanh": _TANH, "sigmoid": _SIGMOID}
 
 
 @dataclasses.dataclass
+class ActivationCall:
+    """An activation node of a run: what it computes, and how the graph calls it."""
+
+    activation: Activation
+    call: Callable[[Tensor], Tensor]  # as the graph calls it, on the layer's output
+    module: nn.Module | None  # its module, checked at each call
+    own: Any  # torch's own forward of that module's class
+    setting: Any  # a function's constant (a module's is read at each call)
+
+    def constant(self) -> Any:
+        """Its constant for this call; raises :class:`_Apart` where its module cannot run as
+        part of the run now (a hook, a patched forward, made in place since)."""
+        module = self.module
+        if module is None:
+            return self.setting
+        act = self.activation
+        if not runs_own_forward(module, self.own) or (act is not _RELU and getattr(module, "inplace", False)):
+            raise _Apart
+        return act.setting(module)
+
+
+@dataclasses.dataclass
 class Step:
     """One layer of a run and the activation after it (None where the next layer reads the
     layer's output itself)."""
 
     spec: NativeSpec
-    act: Activation | None
-    #: the activation as the graph calls it, on the layer's output
-    call_act: Callable[[Tensor], Tensor] | None
-    module: nn.Module | None  # the activation's module, checked at each call
-    own: Any  # torch's own forward of that module's class
-    setting: Any  # a function's constant (a module's is read at each call)
+    act: ActivationCall | None
     #: the captured nodes it computes: the layer's, then the activation's
     nodes: tuple[fx.Node, fx.Node | None]
 
@@ -113,20 +130,9 @@ class Step:
         """Its nodes as the graph calls them, each with the captured node it computes."""
         layer, act = self.nodes
         found: list[tuple[Callable[[Any], Any], fx.Node]] = [(functools.partial(native_call, self.spec), layer)]
-        if self.call_act is not None:
-            found.append((self.call_act, cast(fx.Node, act)))
+        if self.act is not None:
+            found.append((self.act.call, cast(fx.Node, act)))
         return found
-
-    def constant(self) -> Any:
-        """The activation's constant for this call; raises :class:`_Apart` where its module
-        cannot run as part of the run now (a hook, a patched forward, made in place since)."""
-        module = self.module
-        if module is None:
-            return self.setting
-        act = cast(Activation, self.act)
-        if not runs_own_forward(module, self.own) or (act is not _RELU and getattr(module, "inplace", False)):
-            raise _Apart
-        return act.setting(module)
 
 
 class _Apart(Exception):
@@ -169,7 +175,7 @@ def chain_call(chain: Chain, x: Any) -> Any:
             if layer is None:
                 raise _Apart
             params += layer
-            constants.append(step.constant())
+            constants.append(step.act.constant() if step.act is not None else None)
     except _Apart:
         return chain.unfused(x)
     feedback = []
@@ -221,7 +227,7 @@ class _Chain(torch.autograd.Function):
             else:
                 stamps.append(version(taken.feedback[i]))
             x = F.linear(x, W, b)
-            act, awaiting = step.act, None
+            act, awaiting = step.act.activation if step.act is not None else None, None
             if act is not None:
                 if act.reads_input:
                     place[2] = len(saved)
@@ -244,13 +250,7 @@ class _Chain(torch.autograd.Function):
     def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         chain: Chain = ctx.chain
         steps = chain.steps
-        if torch.is_grad_enabled():  # its backward records no graph of its own
-            raise FxnxValueError(
-                f"create_graph=True through nodes {chain.names[0]!r} to {chain.names[-1]!r}, "
-                "a run of layers routed by weight transport as one autograd function, whose "
-                "backward cannot be differentiated: route them with rule 'exact' for "
-                "higher-order gradients"
-            )
+        refuse_higher_order(chain.names)
         try:
             saved = ctx.saved_tensors
         except RuntimeError as error:  # autograd's own check, on what the forward pass saved
@@ -267,7 +267,7 @@ class _Chain(torch.autograd.Function):
             step = steps[i]
             place, at_W, at_act = ctx.places[i]
             if step.act is not None:
-                g = step.act.backward(g, saved[at_act], taken.constants[i])
+                g = step.act.activation.backward(g, saved[at_act], taken.constants[i])
             if needs[3 + 2 * i]:
                 grads[2 * i] = g.T @ saved[place]
             if needs[4 + 2 * i]:
@@ -291,7 +291,7 @@ class _Chain(torch.autograd.Function):
             if tb is not None:
                 terms.append(tb.expand(x.shape[0], -1))
             t = sum(terms[1:], terms[0]) if terms else None
-            act = step.act
+            act = step.act.activation if step.act is not None else None
             if act is not None and t is not None:
                 z = F.linear(x, W, b)
                 read = z if act.reads_input else act.forward(z, constants[i])
@@ -300,89 +300,18 @@ class _Chain(torch.autograd.Function):
         return t
 
 
-def fuse(graph: fx.Graph, root: dict[str, Any], origin: dict[str, fx.Node]) -> None:
-    """Replace each run of two or more weight-transport ``nn.Linear`` layers in ``graph`` (the
-    router's, calling :func:`.native.native_call`), each layer's value read by the next layer
-    alone, directly or through an activation that nothing else reads, by one
-    :func:`chain_call` node. The run's nodes must follow one another in ``graph``, nothing run
-    between them (a write into a weight, ``torch.no_grad()``'s clamp, would otherwise run after
-    the layers past it), and no layer may hold a weight another layer of the run holds (credit
-    summed in autograd's order). ``root`` holds what ``graph``'s attributes name (the chain is
-    added to it); ``origin`` maps a node of ``graph`` to the captured node it computes (the new
-    node computes the run's first)."""
-    taken: set[fx.Node] = set()
-    for node in list(graph.nodes):
-        if node in taken or _layer(node, root) is None:
-            continue
-        run = _run_from(node, root)
-        if len(run) < 2:
-            continue
-        steps = []
-        for layer, act_node, act, setting in run:
-            spec = cast(NativeSpec, _layer(layer, root))
-            module = root[str(act_node.target)] if act_node is not None and act_node.op == "call_module" else None
-            nodes = (origin[layer.name], origin[act_node.name] if act_node is not None else None)
-            steps.append(Step(spec, act, _as_called(act_node, root), module,
-                              _MODULES[type(module)][1] if module is not None else None, setting, nodes))
-        chain = Chain(steps)
-        first, last = run[0][0], run[-1][1] or run[-1][0]
-        key = f"_fxnx_chain{len(root)}"
-        root[key] = chain
-        with graph.inserting_before(first):
-            value = graph.call_function(chain_call, (graph.get_attr(key), first.args[1]))
-        last.replace_all_uses_with(value)
-        origin[value.name] = origin[first.name]
-        for layer, act_node, _, _ in reversed(run):
-            for n in (act_node, layer):
-                if n is not None:
-                    taken.add(n)
-                    spec_node = n.args[0] if n is layer else None
-                    graph.erase_node(n)
-                    if isinstance(spec_node, fx.Node) and not spec_node.users:
-                        graph.erase_node(spec_node)
+def refuse_higher_order(names: list[str]) -> None:
+    """Refuse a backward pass that records its own graph (``create_graph=True``) through a
+    run, whose backward computes from tensors its forward saved without a graph."""
+    if torch.is_grad_enabled():
+        raise FxnxValueError(
+            f"create_graph=True through nodes {names[0]!r} to {names[-1]!r}, a run of layers "
+            "routed as one autograd function, whose backward cannot be differentiated: route "
+            "them with rule 'exact' for higher-order gradients"
+        )
 
 
-def _run_from(node: fx.Node, root: dict[str, Any]) -> list[tuple[fx.Node, fx.Node | None, Activation | None, Any]]:
-    """The run of layers that begins at the layer ``node`` (see :func:`fuse`): each layer, its
-    activation's node, the activation and its constant."""
-    run: list[tuple[fx.Node, fx.Node | None, Activation | None, Any]] = []
-    held: set[int] = set()  # the run's weights and layers, by identity
-    current: fx.Node | None = node
-    while current is not None:
-        spec = cast(NativeSpec, _layer(current, root))
-        mine = {id(spec.linear), *map(id, spec.weights.values())}
-        if held & mine:
-            break
-        held |= mine
-        act_node, act, setting = None, None, None
-        end = current
-        users = list(current.users)
-        if len(users) == 1 and users[0] is current.next:
-            found = _activation(users[0], current, root)
-            if found is not None:
-                act_node, (act, setting) = users[0], found
-                end = act_node
-        run.append((current, act_node, act, setting))
-        following = list(end.users)
-        current = None
-        if len(following) == 1 and _layer(following[0], root) is not None and following[0].args[1] is end:
-            spec_node = following[0].args[0]
-            if end.next is spec_node and cast(fx.Node, spec_node).next is following[0]:  # nothing between
-                current = following[0]
-    return run
-
-
-def _layer(node: fx.Node, root: dict[str, Any]) -> NativeSpec | None:
-    """The spec of a node calling :func:`.native.native_call` for an ``nn.Linear`` on one
-    input; None for any other node."""
-    if node.op != "call_function" or node.target is not native_call or len(node.args) != 2 or node.kwargs:
-        return None
-    held = node.args[0]
-    spec = root.get(str(held.target)) if isinstance(held, fx.Node) and held.op == "get_attr" else None
-    return spec if isinstance(spec, NativeSpec) and spec.linear is not None and len(spec.weights) >= 1 else None
-
-
-def _activation(node: fx.Node, value: fx.Node, root: dict[str, Any]) -> tuple[Activation, Any] | None:
+def activation_of(node: fx.Node, value: fx.Node, root: dict[str, Any]) -> tuple[Activation, Any] | None:
     """The activation ``node`` applies to ``value`` alone, with its constant (a function's,
     fixed in the graph; a module's is read at each call), or None. An in-place ReLU is taken
     (the layer's output it writes is read by nothing else); other in-place activations are not."""
@@ -418,15 +347,17 @@ def _activation(node: fx.Node, value: fx.Node, root: dict[str, Any]) -> tuple[Ac
     return None
 
 
-def _as_called(node: fx.Node | None, root: dict[str, Any]) -> Callable[[Tensor], Tensor] | None:
-    """The activation node as the graph calls it, on its one value."""
-    if node is None:
+def activation_call(node: fx.Node | None, act: Activation | None, setting: Any, root: dict[str, Any]) -> ActivationCall | None:
+    """The activation node of a run, with how the graph calls it on its one value."""
+    if node is None or act is None:
         return None
     args, kwargs = node.args[1:], dict(node.kwargs)
     if node.op == "call_module":
-        return root[str(node.target)]  # type: ignore[no-any-return]
+        module = root[str(node.target)]
+        return ActivationCall(act, module, module, _MODULES[type(module)][1], setting)
     if node.op == "call_method":
         name = str(node.target)
-        return lambda v: getattr(v, name)()
+        return ActivationCall(act, lambda v: getattr(v, name)(), None, None, setting)
     target = node.target
-    return lambda v: target(v, *args, **kwargs)  # type: ignore[operator]
+    return ActivationCall(act, lambda v: target(v, *args, **kwargs), None, None, setting)  # type: ignore[operator]
+

@@ -46,8 +46,9 @@ from .._capture.shapes import node_failure
 from .._capture.tracer import NO_GRAD, is_torch_nn
 from .._compat import pytree
 from .._errors import FxnxValueError
-from .chain import Chain, chain_call, fuse
+from .chain import chain_call
 from .faithful import Probe, differs
+from .fuse import fuse
 from .kinds import LINEAR_FUNCTIONS, NATIVE_FUNCTIONS, WEIGHTED_MODULES
 from .native import NativeSpec, native_call
 from .nodecall import NodeCall, call_target, run_node, runs_out_of_place
@@ -130,7 +131,8 @@ class Graft:
         class Probe(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
                 if n.target is chain_call:  # a run of layers: each of its nodes on its own
-                    return self.run_chain(*self.fetch_args_kwargs_from_env(n)[0])
+                    chain, x = self.fetch_args_kwargs_from_env(n)[0]
+                    return self.run_calls([c for step in chain.steps for c in step.calls()], x)
                 try:
                     return super().run_node(n)
                 except Exception as err:
@@ -140,8 +142,8 @@ class Graft:
                     args, kwargs = self.fetch_args_kwargs_from_env(n)
                     raise node_failure("the credit run's forward pass", captured, args, kwargs, err) from err
 
-            def run_chain(self, chain: Chain, x: Any) -> Any:
-                for call, captured in (found for step in chain.steps for found in step.calls()):
+            def run_calls(self, calls: list[tuple[Any, fx.Node]], x: Any) -> Any:
+                for call, captured in calls:
                     try:
                         x = call(x)
                     except Exception as err:
