@@ -23,9 +23,9 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from ._callinfo import bind_call, fetch_attr, occurrences, qualified_name
 from ._capture import Capture, capture
-from ._compat import own_forward, runs_own_forward, uncompiled
+from ._compat import own_forward, pytree, runs_own_forward, uncompiled
 from ._costs import kernel, node_flops, propagate_and_count
-from ._errors import FxnxTypeError
+from ._errors import FxnxTypeError, warn_user
 from ._version import FORMAT_VERSION, __version__
 
 __all__ = ["convert", "graph_from_capture"]
@@ -95,7 +95,28 @@ def convert(
             propagate=propagate_and_count,  # each route's graph, counting FLOPs on the way
             **_capture_options(options),
         )
-        return _graph(cap, cap.propagation)
+        G = _graph(cap, cap.propagation)
+    _warn_unread_keywords(G, kwargs or {})
+    return G
+
+
+def _warn_unread_keywords(G: nx.MultiDiGraph, kwargs: Mapping[str, Any]) -> None:
+    """Warn of a keyword input holding a tensor that no node of ``G`` reads: the model ignores
+    it, as a ``forward`` taking ``**kwargs`` ignores a misspelled name (``attention_masks=``),
+    and the graph has none of what it would have done."""
+    placeholders = [n for n, data in G.nodes(data=True) if data.get("op") == "placeholder"]
+    unread = [
+        given["name"] for node, given in zip(placeholders, G.graph.get("inputs", []), strict=False)
+        if given["name"] in kwargs and G.out_degree(node) == 0
+        and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(kwargs[given["name"]]))
+    ]
+    if unread:
+        warn_user(
+            f"keyword input{'s' * (len(unread) > 1)} {', '.join(map(repr, unread))} of "
+            f"{G.graph.get('model')} {'is' if len(unread) == 1 else 'are'} read by no node of the "
+            "graph: the model ignores it with these inputs (a misspelled keyword, where forward "
+            "takes **kwargs?), and so does the graph"
+        )
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import pytest
@@ -542,3 +543,21 @@ def test_a_traced_torchscript_module_gets_one_error_saying_what_to_do():
         traced = torch.jit.trace(nn.Linear(2, 2), torch.randn(1, 2))
     with pytest.raises(fxnx.errors.CaptureError, match=r"forward has no Python signature: it is compiled.*before it was compiled"):
         fxnx.convert(traced, torch.randn(1, 2))
+
+
+class _TakesAnyKeyword(nn.Module):
+    def forward(self, x, **kwargs):
+        mask = kwargs.get("mask")
+        return x if mask is None else x * mask
+
+
+def test_a_keyword_input_no_node_reads_is_named():
+    """A misspelled keyword a forward taking **kwargs ignores (Hugging Face's, for one): the
+    model runs without it, and so does the graph; the user is told which input went unread."""
+    x, mask = torch.randn(2, 3), torch.ones(2, 3)
+    with pytest.warns(UserWarning, match="keyword input 'masks' of .*_TakesAnyKeyword is read by no node"):
+        G = fxnx.convert(_TakesAnyKeyword(), x, kwargs={"masks": mask})
+    assert G.out_degree([n for n, d in G.nodes(data=True) if d["op"] == "placeholder"][-1]) == 0  # the premise
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxnx.convert(_TakesAnyKeyword(), x, kwargs={"mask": mask})  # read: no warning
