@@ -114,9 +114,11 @@ def test_weight_transport_keeps_no_copy_of_the_weights_from_forward_to_backward(
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=rule)
     held = _held_by_forward(router, x)
     want = _held_by_forward(model, x)
-    # A weight is 128 KiB: a copy of one would show; the output's few bytes may not count
-    # where the profiler saw the block it reuses freed before it started.
-    assert abs(held - want) < 1024, (held, want)
+    # A weight is 128 KiB: a copy of one would show. Either count may miss a block the
+    # allocator hands back that was allocated before the profiler started (the output's few
+    # bytes, or now and then one 1 KiB activation, with fusion or without: about 1 run in 60),
+    # which only lowers it: what is held beyond autograd's is bounded, not what is held less.
+    assert held - want < 1024, (held, want)
 
 
 def test_sign_symmetry_refuses_a_weight_written_between_forward_and_backward():
