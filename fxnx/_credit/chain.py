@@ -59,8 +59,8 @@ class Activation:
     forward: Callable[[Tensor, Any], Tensor]
     backward: Callable[[Tensor, Tensor, Any], Tensor]
     reads_input: bool
-    #: the activation's constant from its module (a slope, GELU's approximation), or None
-    setting: Callable[[Any], Any] = lambda module: None
+    #: its constant read from its module (a slope, GELU's approximation), or None
+    constant_of: Callable[[Any], Any] = lambda module: None
     tangent: Callable[[Tensor, Tensor, Any], Tensor] | None = None
 
 
@@ -110,10 +110,9 @@ class ActivationCall:
         module = self.module
         if module is None:
             return self.setting
-        act = self.activation
-        if not runs_own_forward(module, self.own) or (act is not _RELU and getattr(module, "inplace", False)):
+        if not runs_own_forward(module, self.own) or _in_place(self.activation, module):
             raise _Apart
-        return act.setting(module)
+        return self.activation.constant_of(module)
 
 
 @dataclasses.dataclass
@@ -133,6 +132,13 @@ class Step:
         if self.act is not None:
             found.append((self.act.call, cast(fx.Node, act)))
         return found
+
+
+def _in_place(act: Activation, module: Any) -> bool:
+    """Whether ``module`` runs ``act`` in place where running it out of place would change
+    what is computed: an in-place ReLU is taken (the layer's output it writes is read by
+    nothing else; its backward reads the output either way), no other."""
+    return act is not _RELU and bool(getattr(module, "inplace", False))
 
 
 class _Apart(Exception):
@@ -164,7 +170,8 @@ def chain_call(chain: Chain, x: Any) -> Any:
     :meth:`Step.constant`), with
     gradients on and no autocast; else its nodes one by one."""
     first = chain.steps[0].spec
-    if not torch.is_grad_enabled() or torch.is_autocast_enabled(first.device) or getattr(x, "is_inference", bool)():
+    if (not torch.is_grad_enabled() or torch.is_autocast_enabled(first.device)
+            or (isinstance(x, Tensor) and x.is_inference())):
         return chain.unfused(x)
     params: list[Tensor | None] = []
     constants = []
@@ -323,9 +330,7 @@ def activation_of(node: fx.Node, value: fx.Node, root: dict[str, Any]) -> tuple[
         found = _MODULES.get(type(module))
         if found is None or found[1] is None or len(args) != 1 or kwargs:
             return None
-        if found[0] is not _RELU and getattr(module, "inplace", False):
-            return None
-        return found[0], None
+        return None if _in_place(found[0], module) else (found[0], None)
     if node.op == "call_method":
         act = _METHODS.get(str(node.target))
         return (act, None) if act is not None and len(args) == 1 and not kwargs else None

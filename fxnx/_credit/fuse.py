@@ -10,7 +10,7 @@ no layer holding a weight another layer of the run holds (credit summed in autog
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch.fx as fx
 
@@ -32,17 +32,18 @@ def fuse(graph: fx.Graph, root: dict[str, Any], origin: dict[str, fx.Node]) -> N
         run = _run_from(node, root)
         if len(run) < 2:
             continue
-        acts = [activation_call(act_node, act, setting, root) for _, act_node, act, setting in run]
-        nodes = [(origin[layer.name], origin[act_node.name] if act_node is not None else None) for layer, act_node, _, _ in run]
-        first, last = run[0][0], run[-1][1] or run[-1][0]
+        first, last = run[0][0], run[-1][2] or run[-1][0]
         key = f"_fxnx_chain{len(root)}"
-        root[key] = Chain([Step(cast(NativeSpec, _layer(layer, root)), act, pair)
-                           for (layer, *_), act, pair in zip(run, acts, nodes, strict=True)])
+        root[key] = Chain([
+            Step(spec, activation_call(act_node, act, setting, root),
+                 (origin[layer.name], origin[act_node.name] if act_node is not None else None))
+            for layer, spec, act_node, act, setting in run
+        ])
         with graph.inserting_before(first):
             value = graph.call_function(chain_call, (graph.get_attr(key), first.args[-1]))
         last.replace_all_uses_with(value)
         origin[value.name] = origin[first.name]
-        for layer, act_node, _, _ in reversed(run):
+        for layer, _, act_node, _, _ in reversed(run):
             for n in (act_node, layer):
                 if n is None:
                     continue
@@ -53,14 +54,15 @@ def fuse(graph: fx.Graph, root: dict[str, Any], origin: dict[str, fx.Node]) -> N
                     graph.erase_node(attr)
 
 
-def _run_from(node: fx.Node, root: dict[str, Any]) -> list[tuple[fx.Node, fx.Node | None, Activation | None, Any]]:
-    """The run of layers that begins at the layer ``node``: each layer, its activation's
-    node, the activation and its constant."""
-    run: list[tuple[fx.Node, fx.Node | None, Activation | None, Any]] = []
+def _run_from(node: fx.Node, root: dict[str, Any]) -> list[tuple[fx.Node, NativeSpec, fx.Node | None, Activation | None, Any]]:
+    """The run of layers that begins at the layer ``node``: each layer, its spec, its
+    activation's node, the activation and its constant."""
+    run: list[tuple[fx.Node, NativeSpec, fx.Node | None, Activation | None, Any]] = []
     held: set[int] = set()  # the run's layers and weights, by identity
     current: fx.Node | None = node
-    while current is not None:
-        mine = _held(_layer(current, root))
+    spec = _layer(node, root)
+    while current is not None and spec is not None:
+        mine = {id(spec.linear), *map(id, spec.weights.values())}
         if held & mine:
             break
         held |= mine
@@ -72,12 +74,11 @@ def _run_from(node: fx.Node, root: dict[str, Any]) -> list[tuple[fx.Node, fx.Nod
             if found is not None:
                 act_node, (act, setting) = users[0], found
                 end = act_node
-        run.append((current, act_node, act, setting))
+        run.append((current, spec, act_node, act, setting))
         following = list(end.users)
-        current = None
         nxt = following[0] if len(following) == 1 else None
-        if nxt is not None and nxt.args[-1] is end and _layer(nxt, root) is not None and _adjacent(end, nxt):
-            current = nxt
+        spec = _layer(nxt, root) if nxt is not None else None
+        current = nxt if spec is not None and nxt is not None and nxt.args[-1] is end and _adjacent(end, nxt) else None
     return run
 
 
@@ -100,8 +101,3 @@ def _layer(node: fx.Node, root: dict[str, Any]) -> NativeSpec | None:
     spec = root.get(str(held.target)) if isinstance(held, fx.Node) and held.op == "get_attr" else None
     return spec if isinstance(spec, NativeSpec) and spec.linear is not None else None
 
-
-def _held(spec: NativeSpec | None) -> set[int]:
-    """The identities of a layer and the weights it holds."""
-    assert spec is not None  # a layer's
-    return {id(spec.linear), *map(id, spec.weights.values())}

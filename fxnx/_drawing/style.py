@@ -263,15 +263,15 @@ def edge_label(data: dict[str, Any]) -> str | None:
     (' () ', None)
     """
     shape = data.get("shape")
-    if isinstance(shape, tuple) or (isinstance(shape, list) and shape and all(isinstance(d, int | str) for d in shape)):
-        return _dims(shape)  # one shape (a list, read back by a JSON reader of networkx's own)
-    if isinstance(shape, (list, dict)):
+    if isinstance(shape, (tuple, list, dict)):
         shapes = [leaf for leaf in _shape_leaves(shape) if leaf is not None]
         if not shapes:
             return None
-        if len(shapes) > 1 and all(leaf == shapes[0] for leaf in shapes):
+        if len(shapes) == 1:
+            return _dims(shapes[0])
+        if all(leaf == shapes[0] for leaf in shapes):
             return " " + clip(f"{len(shapes)} of {_dims(shapes[0]).strip()}") + " "
-        return _dims(shapes[0]) if len(shapes) == 1 else f" {len(shapes)} tensors "
+        return f" {len(shapes)} tensors "
     if data.get("tensors"):
         return f" {clip(data['tensors'])} tensors "
     return None
@@ -285,11 +285,13 @@ def _dims(shape: Any) -> str:
 
 
 def _shape_leaves(shape: Any) -> list[Any]:
-    """The shapes in a list or dict of shapes (nested, None for a value that is no tensor)."""
+    """The shapes in a shape, or in a list or dict of shapes (nested, None for a value that is
+    no tensor); a list of dimensions is one shape (as a JSON reader of networkx's own gives it
+    back)."""
     if shape is None or isinstance(shape, tuple):
         return [shape]
     if isinstance(shape, list) and shape and all(isinstance(d, int | str) for d in shape):
-        return [tuple(shape)]  # one shape, read back as a list
+        return [tuple(shape)]
     values = shape.values() if isinstance(shape, dict) else shape
     return [leaf for value in values for leaf in _shape_leaves(value)]
 

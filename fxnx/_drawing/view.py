@@ -16,6 +16,7 @@ the model's output depends on; so does a read whose value is dropped (the ``_`` 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import networkx as nx
@@ -266,13 +267,7 @@ def _groups(G: nx.MultiDiGraph, depth: int) -> dict[Any, str]:
 
 def _shared_path(paths: list[str]) -> str:
     """The deepest module path that every one of ``paths`` lies in ("" for the model)."""
-    split = [path.split(".") if path else [] for path in paths]
-    shared: list[str] = []
-    for parts in zip(*split, strict=False):
-        if len(set(parts)) > 1:
-            break
-        shared.append(parts[0])
-    return ".".join(shared)
+    return ".".join(os.path.commonprefix([path.split(".") if path else [] for path in paths]))
 
 
 def _names(G: nx.MultiDiGraph, group: dict[Any, str]) -> dict[Any, Any]:
