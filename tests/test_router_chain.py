@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_rules import _grad_fns
 from torch import nn
 from torch.autograd import forward_ad
 from torch.nn import functional as F
@@ -71,15 +72,7 @@ MODELS = ["modules", "functions", "skip"]
 def _runs(out) -> int:
     """How many runs of layers ran as one autograd function in computing ``out``: the
     autograd nodes of the run's function in its graph."""
-    seen, todo, found = set(), [out.grad_fn], 0
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        found += type(fn).__name__ == "_ChainBackward"
-        todo += [nxt for nxt, _ in fn.next_functions]
-    return found
+    return sum(type(fn).__name__ == "_ChainBackward" for fn in _grad_fns(out))
 
 
 def _routers(G, model, x, rule, monkeypatch, **options):
