@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rel_error
 from test_rules import _grad_fns
 from torch import nn
 from torch.autograd import forward_ad
 from torch.nn import functional as F
 
 import fxnx
-from fxnx._credit import graft
 
 f64 = torch.float64
 
@@ -69,21 +69,17 @@ def _model(name):
 MODELS = ["modules", "functions", "skip"]
 
 
-def _runs(out) -> int:
+def _runs(out, function: str = "_ChainBackward") -> int:
     """How many runs of layers ran as one autograd function in computing ``out``: the
-    autograd nodes of the run's function in its graph."""
-    return sum(type(fn).__name__ == "_ChainBackward" for fn in _grad_fns(out))
+    autograd nodes of the run's function in its graph (``_DirectChainBackward`` under direct
+    feedback alignment)."""
+    return sum(type(fn).__name__ == function for fn in _grad_fns(out))
 
 
-def _routers(G, model, x, rule, monkeypatch, **options):
+def _routers(G, model, x, rule, **options):
     """A router with runs fused, and one with the same seed built without fusing any."""
-    fused = fxnx.CreditRouter(G, model, rule=rule, seed=7, **options)
-    fused(x)  # its graph, with runs fused
-    apart = fxnx.CreditRouter(G, model, rule=rule, seed=7, **options)
-    with monkeypatch.context() as patch:
-        patch.setattr(graft, "fuse", lambda *_: None)
-        apart(x)  # its graph, made now: no run fused
-    return fused, apart
+    return (fxnx.CreditRouter(G, model, rule=rule, seed=7, **options),
+            fxnx.CreditRouter(G, model, rule=rule, seed=7, fuse=False, **options))
 
 
 def _step(model, router, x, e):
@@ -125,13 +121,13 @@ def test_feedback_alignment_with_b_equal_to_w_is_autograd(name):
 
 @pytest.mark.parametrize("rule", ["feedback_alignment", "usf", "brsf", "frsf", "kolen_pollack", "weight_mirror"])
 @pytest.mark.parametrize("name", MODELS)
-def test_a_fused_run_is_its_nodes_one_by_one_bit_for_bit(name, rule, monkeypatch):
+def test_a_fused_run_is_its_nodes_one_by_one_bit_for_bit(name, rule):
     """The same gradients, bits and all, over two steps (brSF draws afresh at each)."""
     model = _model(name)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(4, 5, dtype=f64, generator=gen)
     e = torch.randn(4, 3, dtype=f64, generator=gen)
-    fused, apart = _routers(fxnx.convert(model, x), model, x, rule, monkeypatch)
+    fused, apart = _routers(fxnx.convert(model, x), model, x, rule)
     for _ in range(2):
         want, runs = _step(model, apart, x, e)
         assert runs == 0
@@ -159,14 +155,14 @@ def test_a_hook_added_since_calls_the_runs_nodes_one_by_one():
 
 
 @pytest.mark.parametrize("takes_credit", [False, True])
-def test_frozen_layers_and_an_input_with_or_without_credit(takes_credit, monkeypatch):
+def test_frozen_layers_and_an_input_with_or_without_credit(takes_credit):
     model = _model("modules")
     model[2].weight.requires_grad_(False)
     model[0].bias.requires_grad_(False)
     gen = torch.Generator().manual_seed(5)
     e = torch.randn(4, 3, dtype=f64, generator=gen)
     x = torch.randn(4, 5, dtype=f64, generator=gen)
-    fused, apart = _routers(fxnx.convert(model, x), model, x, "feedback_alignment", monkeypatch)
+    fused, apart = _routers(fxnx.convert(model, x), model, x, "feedback_alignment")
     results = []
     for router in (fused, apart):
         given = x.clone().requires_grad_(takes_credit)
@@ -180,13 +176,13 @@ def test_frozen_layers_and_an_input_with_or_without_credit(takes_credit, monkeyp
 
 
 @pytest.mark.parametrize("name", ["functions", "modules"])
-def test_forward_mode_through_a_fused_run(name, monkeypatch):
+def test_forward_mode_through_a_fused_run(name):
     """Tangents bit for bit as the unfused router's (SiLU's is torch's forward-mode formula,
     not its backward's), and the model's own to float64 rounding."""
     model = _model(name)
     gen = torch.Generator().manual_seed(6)
     x, t = (torch.randn(4, 5, dtype=f64, generator=gen) for _ in range(2))
-    routers = _routers(fxnx.convert(model, x), model, x, "feedback_alignment", monkeypatch)
+    routers = _routers(fxnx.convert(model, x), model, x, "feedback_alignment")
     outs = []
     for router in routers:
         with forward_ad.dual_level():
@@ -229,14 +225,43 @@ def test_kolen_pollack_feedback_written_before_backward_is_refused():
 def test_create_graph_through_a_fused_run_is_refused(frozen):
     """Refused also where no layer sends credit through B (the input takes none, only the last
     layer trains), where the run's backward would drop the second-order term through GELU's
-    input. Oracle for that case: the model's own double backward differs from zero."""
+    input. With fuse=False that backward runs: oracle, the model's own double backward (the
+    last layer's weight takes exact credit, and no credit reaches a layer below)."""
     model = _model("modules")
     for p in list(model.parameters())[:-2] if frozen else ():
         p.requires_grad_(False)
     x = torch.randn(4, 5, dtype=f64)
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="feedback_alignment")
-    with pytest.raises(fxnx.errors.FxnxValueError, match="create_graph=True through nodes '_0' to '_15'"):
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model, rule="feedback_alignment")
+    with pytest.raises(fxnx.errors.FxnxValueError, match="create_graph=True through nodes '_0' to '_15'.*fuse=False"):
         torch.autograd.grad(router(x).pow(2).sum(), [model[15].weight], create_graph=True)
+    if frozen:
+        second = []
+        for forward in (fxnx.CreditRouter(G, model, rule="feedback_alignment", fuse=False), model):
+            (g,) = torch.autograd.grad(forward(x).pow(2).sum(), [model[15].weight], create_graph=True)
+            second.append(torch.autograd.grad(g.pow(2).sum(), model[15].weight)[0])
+        assert rel_error(second[0], second[1]) <= 1e-12
+
+
+def test_direct_feedback_with_create_graph_through_a_fused_run_is_refused():
+    """Direct feedback alignment too; with fuse=False the second-order credit is that of the
+    router whose layers are hooked (each layer run as itself, its input receiving e·B)."""
+    model = _model("modules")
+    x = torch.randn(4, 5, dtype=f64, generator=torch.Generator().manual_seed(9))
+    G = fxnx.convert(model, x)
+    router = fxnx.CreditRouter(G, model, rule="direct_feedback_alignment")
+    with pytest.raises(fxnx.errors.FxnxValueError, match="create_graph=True through nodes '_2' to '_12'.*fuse=False"):
+        torch.autograd.grad(router(x).pow(2).sum(), [model[6].weight], create_graph=True)
+    second = []
+    for hooked in (False, True):
+        router = fxnx.CreditRouter(G, model, rule="direct_feedback_alignment", fuse=False)
+        handles = [layer.register_forward_hook(lambda *_: None) for layer in model if hooked and isinstance(layer, nn.Linear)]
+        (g,) = torch.autograd.grad(router(x.clone().requires_grad_()).pow(2).sum(), model[6].weight, create_graph=True)
+        second.append(torch.autograd.grad(g.pow(2).sum(), [model[0].weight, model[6].weight]))
+        for handle in handles:
+            handle.remove()
+    for got, want in zip(*second, strict=True):
+        assert rel_error(got, want) <= 1e-12
 
 
 def test_runs_fall_back_where_they_cannot_fuse():
@@ -335,15 +360,42 @@ def test_a_node_between_layers_keeps_its_place(rule):
 
 
 @pytest.mark.parametrize("rule", ["feedback_alignment", "frsf"])
-def test_a_weight_held_twice_ends_a_run(rule, monkeypatch):
+def test_a_weight_held_twice_ends_a_run(rule):
     """A layer applied three times sums its credit as autograd does, last use first (each use
     ends a run), in float32, where the order shows in the last bits. Oracle: the unfused
     router, bit for bit."""
     torch.manual_seed(0)
     model = _Tied()
     x, e = torch.randn(64, 5), torch.randn(64, 3)
-    fused, apart = _routers(fxnx.convert(model, x), model, x, rule, monkeypatch)
+    fused, apart = _routers(fxnx.convert(model, x), model, x, rule)
     want, _ = _step(model, apart, x, e)
     got, runs = _step(model, fused, x, e)
     assert runs >= 1
     _same(got, want)
+
+
+@pytest.mark.parametrize("takes_credit", [False, True])
+@pytest.mark.parametrize("name", MODELS)
+def test_direct_feedback_runs_are_their_nodes_one_by_one_bit_for_bit(name, takes_credit):
+    """Direct feedback alignment over a fused run: the same gradients as the unfused router,
+    bits and all, over two steps, the input's credit included (where the input takes none, the
+    first layer runs on its own and the rest fused)."""
+    model = _model(name)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 5, dtype=f64, generator=gen)
+    e = torch.randn(4, 3, dtype=f64, generator=gen)
+    fused, apart = _routers(fxnx.convert(model, x), model, x, "direct_feedback_alignment")
+    for _ in range(2):
+        results = []
+        for router in (fused, apart):
+            given = x.clone().requires_grad_(takes_credit)
+            model.zero_grad(set_to_none=True)
+            out = router(given)
+            runs = _runs(out, "_DirectChainBackward")
+            (out * e).sum().backward()
+            results.append(([None if p.grad is None else p.grad.clone() for p in model.parameters()], given.grad, runs))
+        (got, got_x, runs), (want, want_x, none) = results
+        assert runs >= 1 and none == 0
+        _same(got, want)
+        _same([got_x], [want_x])
+

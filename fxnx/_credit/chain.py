@@ -313,8 +313,9 @@ def refuse_higher_order(names: list[str]) -> None:
     if torch.is_grad_enabled():
         raise FxnxValueError(
             f"create_graph=True through nodes {names[0]!r} to {names[-1]!r}, a run of layers "
-            "routed as one autograd function, whose backward cannot be differentiated: route "
-            "them with rule 'exact' for higher-order gradients"
+            "routed as one autograd function, whose backward cannot be differentiated: build "
+            "the router with CreditRouter(..., fuse=False), which routes each node as its own "
+            "autograd function"
         )
 
 

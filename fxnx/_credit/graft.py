@@ -47,6 +47,7 @@ from .._capture.tracer import NO_GRAD, is_torch_nn
 from .._compat import pytree
 from .._errors import FxnxValueError
 from .chain import chain_call
+from .direct_chain import direct_chain_call
 from .faithful import Probe, differs
 from .fuse import fuse
 from .kinds import LINEAR_FUNCTIONS, NATIVE_FUNCTIONS, WEIGHTED_MODULES
@@ -133,6 +134,10 @@ class Graft:
                 if n.target is chain_call:  # a run of layers: each of its nodes on its own
                     chain, x = self.fetch_args_kwargs_from_env(n)[0]
                     return self.run_calls([c for step in chain.steps for c in step.calls()], x)
+                if n.target is direct_chain_call:  # its output, then each later layer's input
+                    chain, tap, state, x = self.fetch_args_kwargs_from_env(n)[0]
+                    outs = [x := self.run_calls(step.calls(tap, state), x) for step in chain.steps]
+                    return (outs.pop(), *outs)
                 try:
                     return super().run_node(n)
                 except Exception as err:
@@ -177,7 +182,7 @@ def _native(call: NodeCall) -> bool:
             and sum(p.dim() >= 2 for _, p in call.param_inputs.values()) <= 1)
 
 
-def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None = None) -> Graft:
+def graft(plan: Plan, *, seed: int, collect: bool = False, fused: bool = True, probe: Probe | None = None) -> Graft:
     """The router's forward over ``plan`` (see the module's docstring).
 
     ``probe`` is what one run of the captured graph showed (:func:`.faithful.probe`): nodes
@@ -185,6 +190,8 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
     writes in place that a later node sees run in place, as in the model, and every value
     they overwrite is reported through a copy of its own (:func:`_snapshot`); a write no later
     node sees may run out of place. Without it, every write is taken as one nothing sees.
+    ``fused``: each run of linear layers runs as one node (:func:`.fuse.fuse`; never with
+    ``collect``, whose credit is every node's).
 
     Raises
     ------
@@ -319,7 +326,7 @@ def graft(plan: Plan, *, seed: int, collect: bool = False, probe: Probe | None =
             value = graph.call_function(_alias, (value,))
         collect_value(node.name, value)
         env[node] = value
-    if not collect:
+    if fused and not collect:
         fuse(graph, root, origin)
     module = fx.GraphModule(root, graph, class_name="Routed")
     plain = not collect and all(tier(e) == "exact" and not e.cut for e in plan.entries)

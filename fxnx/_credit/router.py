@@ -145,6 +145,11 @@ class CreditRouter(nn.Module):
     concrete_args : mapping, optional
         The ``concrete_args`` ``G`` was converted with, if any: they change what the model
         computes, so the ones ``G`` stores are checked against these, never applied.
+    fuse : bool
+        Route each run of linear layers (an MLP's, under a rule other than exact) as one
+        autograd function, which is faster on small, deep models; the same credit bit for
+        bit. False keeps one autograd function per node of ``G``, as a backward pass that
+        records its own graph (``create_graph=True``) through such a run needs.
 
     Raises
     ------
@@ -185,6 +190,7 @@ class CreditRouter(nn.Module):
         node_credit: bool = False,
         leaf_modules: Iterable[LeafSpec] = (),
         concrete_args: Mapping[str, Any] | None = None,
+        fuse: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(G, nx.MultiDiGraph):
@@ -227,6 +233,7 @@ class CreditRouter(nn.Module):
         self.G = snapshot(G, _CHECKED, _SAME_BACKWARD, _EAGER)
         self.seed = seed
         self.node_credit = bool(node_credit)
+        self.fuse = bool(fuse)
         self._given = dict(feedback or {})
         #: node name to its state loaded by load_state_dict, bound at the next call (.saved)
         self._loaded: dict[str, dict[str, Any]] = {}
@@ -568,7 +575,7 @@ class CreditRouter(nn.Module):
                 self._warn_if_unused(plan)
             # (a graph that follows the example's values is compared at every call, below)
             seen = self._probe(plan, cap, inputs, kwargs, compare=not cap.reads_values)
-            run = graft(plan, seed=self.seed, collect=collect, probe=seen)
+            run = graft(plan, seed=self.seed, collect=collect, fused=self.fuse, probe=seen)
             run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
         if cap.reads_values and not run.plain:  # its branches may not be these inputs'
