@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_error
 from test_rules import _grad_fns
 from torch import nn
 from torch.autograd import forward_ad
 from torch.nn import functional as F
 
 import fxnx
+
+from conftest import rel_error
 
 f64 = torch.float64
 
