@@ -400,3 +400,72 @@ def test_direct_feedback_runs_are_their_nodes_one_by_one_bit_for_bit(name, takes
         _same(got, want)
         _same([got_x], [want_x])
 
+
+
+class _Returned(nn.Module):
+    """A run ``a → tanh → b → relu → c`` whose output is read only through ``detach``, and
+    whose hidden value ``h = tanh(a(x))`` the model also returns."""
+
+    def __init__(self, returns_hidden: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 7)
+        self.d, self.e = nn.Linear(7, 3), nn.Linear(5, 3)
+        self.returns_hidden = returns_hidden
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        y = self.c(torch.relu(self.b(h)))
+        out = self.d(y.detach()) + self.e(x)
+        return (out, h) if self.returns_hidden else out
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("returns_hidden", [True, False])
+def test_direct_feedback_reaches_each_layer_input_once_where_a_run_s_output_takes_no_credit(returns_hidden, fuse):
+    """Every layer's input gets its projection e·B once, whatever reaches the layer's output.
+    Fused, a run whose hidden value the model returned ran on through it, and the run's output
+    taking no credit, no layer of it sent any (a's weight 4.3 off, b's None). Fused or not, on
+    a router's first call, a node reached only through the input of one that is not (``b``,
+    through ``c``'s) was taken for unreached too: its input got e·B from the output and from
+    the node (a's weight credit twice DFA's). Oracle: DFA written by hand, at every call."""
+    model = _Returned(returns_hidden).double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 5, dtype=f64, generator=gen)
+    e_out, e_h = torch.randn(4, 3, dtype=f64, generator=gen), torch.randn(4, 7, dtype=f64, generator=gen)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment", fuse=fuse)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        given = x.clone().requires_grad_()
+        out = router(given)
+        loss = (out[0] * e_out).sum() + (out[1] * e_h).sum() if returns_hidden else (out * e_out).sum()
+        loss.backward()
+        fb = router.feedback
+        e = torch.cat([e_out, e_h], 1) if returns_hidden else e_out
+        with torch.no_grad():
+            h = torch.tanh(model.a(x))
+            at_h = e @ fb["b"] + (e_h if returns_hidden else 0)
+            d_a, d_b = at_h * (1 - h**2), (e @ fb["c"]) * (model.b(h) > 0)
+        assert rel_error(model.a.weight.grad, d_a.T @ x) <= 1e-12
+        assert rel_error(model.b.weight.grad, d_b.T @ h) <= 1e-12
+        assert model.c.weight.grad is None  # its output takes no credit
+        assert rel_error(given.grad, e @ fb["a"] + e @ fb["e"]) <= 1e-12
+
+
+def test_direct_feedback_with_a_weight_tied_after_the_router_was_built_runs_the_nodes_one_by_one():
+    """Weights tied after the first call: the run no longer fuses (it would sum the tied
+    weight's credit in another order than autograd's, 1e-6 apart in float32), and the
+    gradients are the unfused router's, bit for bit."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh())), nn.Linear(16, 3))
+        router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment", fuse=fuse)
+        router(x)
+        model[2].weight = model[4].weight = model[6].weight = model[0].weight
+        out = router(x.clone().requires_grad_())
+        assert _runs(out, "_DirectChainBackward") == 0
+        out.pow(2).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    _same(*grads)

@@ -12,7 +12,8 @@ tap sends it (:meth:`.taps.TapSpec.send`). The output's tap reads each layer's i
 check, and the projection it sends at the output to what the backward pass does not reach), so
 the run returns its later layers' inputs beside its output; the tap sends them nothing, as
 they are received here. At a call where a layer or activation could not run so, the run's
-nodes run one by one.
+nodes run one by one. Each parameter's credit reaches it when the whole run's backward is done
+(a hook on it runs then; DDP reduces it then), not layer by layer.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def direct_chain_call(chain: DirectChain, spec: TapSpec, state: RoutingState, x:
                     raise _Apart
                 params += held
                 constants.append(step.act.constant() if step.act is not None else None)
+            if len(set(map(id, params))) != len(params):  # a weight tied since: summed as apart
+                raise _Apart
         except _Apart:
             pass
         else:
@@ -170,16 +173,18 @@ class _DirectChain(torch.autograd.Function):
         for i in range(len(steps) - 1, -1, -1):
             step = steps[i]
             at_x, at_act = ctx.slots[i]
-            if g is not None:  # (a layer whose output takes no credit runs no backward)
+            if g is not None:  # (the run's output may take none: its weight and bias get none)
                 if step.act is not None:
                     g = step.act.activation.backward(g, saved[cast(int, at_act)], ctx.constants[i])
                 if needs[3 + 2 * i]:
                     grads[2 * i] = g.T @ saved[cast(int, at_x)].detach()
                 if needs[4 + 2 * i]:
                     grads[2 * i + 1] = g.sum(0)
-                shape, dtype = ctx.shapes[i]
-                # the layer's input's credit (the run's input's where it takes any)
-                g = ctx.spec.send(step.place, e, shape, dtype, ctx.state) if i or needs[2] else None
+            # the layer's input's credit (the run's input's where it takes any), whatever
+            # reached its output: the tap sends its input nothing, and direct feedback every
+            # layer's input its projection
+            shape, dtype = ctx.shapes[i]
+            g = ctx.spec.send(step.place, e, shape, dtype, ctx.state) if i or needs[2] else None
             tapped = received[i - 1] if i else None  # (the tap sends an input received here none)
             if tapped is not None:
                 g = tapped if g is None else g + tapped

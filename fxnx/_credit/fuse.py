@@ -8,7 +8,7 @@ after another in the graph with nothing between them but the next layer's own at
 write into a weight, ``torch.no_grad()``'s clamp, would otherwise run after the layers past
 it), and no layer holding a weight another layer of the run holds (credit summed in autograd's
 order). Under direct feedback the output's tap also reads each layer's input: the fused node
-returns those inputs for it.
+returns those inputs for it. A value the model returns (read by the tap as output) ends a run.
 """
 
 from __future__ import annotations
@@ -95,14 +95,23 @@ def _run_from(node: fx.Node, root: dict[str, Any]) -> list[tuple[fx.Node, Layer,
                 act_node, (act, setting) = users[0], found
                 end = act_node
         run.append((current, layer, act_node, act, setting))
-        # (direct feedback: the output's tap reads each layer's input too)
-        following = [user for user in end.users if user.target is not tap_output or user.args[2] is end]
+        # (direct feedback: the output's tap reads each layer's input too; a value the model
+        # returns, bare or inside its output, ends the run)
+        following = [user for user in end.users if user.target is not tap_output or _returns(user, end)]
         nxt = following[0] if len(following) == 1 else None
         layer = _layer(nxt, root) if nxt is not None else None
         same = nxt is not None and nxt.target is node.target and (
             node.target is native_call or nxt.args[:2] == node.args[:2])  # direct: one tap, one state
         current = nxt if layer is not None and same and nxt is not None and nxt.args[-1] is end and _adjacent(end, nxt) else None
     return run
+
+
+def _returns(tap: fx.Node, value: fx.Node) -> bool:
+    """Whether the output's tap takes ``value`` as (part of) the model's output, not only as
+    an input it projects onto."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(tap.args[2], found.append)
+    return value in found
 
 
 def _adjacent(end: fx.Node, layer: fx.Node) -> bool:

@@ -147,9 +147,11 @@ class CreditRouter(nn.Module):
         computes, so the ones ``G`` stores are checked against these, never applied.
     fuse : bool
         Route each run of linear layers (an MLP's, under a rule other than exact) as one
-        autograd function, which is faster on small, deep models; the same credit bit for
-        bit. False keeps one autograd function per node of ``G``, as a backward pass that
-        records its own graph (``create_graph=True``) through such a run needs.
+        autograd function, which is faster on small, deep models: the same credit bit for
+        bit, each parameter's reaching it when the whole run's backward is done (its hooks,
+        and DDP's reduction, run then). False keeps one autograd function per node of
+        ``G``, as a backward pass that records its own graph (``create_graph=True``)
+        through such a run needs.
 
     Raises
     ------

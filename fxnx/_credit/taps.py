@@ -262,28 +262,26 @@ def _unreached(spec: TapSpec, outs: list[Tensor], projected: Sequence[Any], rece
     by every path to the output. They get their projection at the output, as direct feedback
     defines, and later forwards leave them to the output (``spec.unreached``).
 
-    The backward pass starts at ``outs`` and at every input the tap itself projects onto
-    (those not in ``received``, then those of each node found unreached): from there autograd's
-    graph is walked, once per kind of forward (what a captured graph records the same way each
-    time); :func:`.graft._credited` has already left out what could differ from call to call.
+    The backward pass starts at ``outs``, and every input the tap projects onto gets credit:
+    from the tap, or from its node's receiver, or (a node not reached) from the tap again. So
+    autograd's graph is walked from all of them, once per kind of forward (what a captured
+    graph records the same way each time); :func:`.graft._credited` has already left out what
+    could differ from call to call. (Walking from the outputs alone, and from an unreached
+    node's inputs only once it was found unreached, took a node reached only through such an
+    input for unreached too, and its input got ``e·B`` twice.)
     """
     seen: set[Any] = set()
     reached: set[int] = set()
-    roots = list(outs) + [x for j, x in enumerate(projected) if j not in received]
-    missed: set[int] = set()
-    while roots:
-        stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
-        while stack:
-            fn = stack.pop()
-            if fn in seen:
-                continue
-            seen.add(fn)
-            if getattr(fn, "spec", None) is spec and hasattr(fn, "places"):  # a _Receive of this tap
-                reached.update(fn.places)
-            stack.extend(f for f, _ in fn.next_functions if f is not None and f not in seen)
-        new = received - reached - missed
-        missed |= new
-        roots = [projected[j] for j in sorted(new)]  # sent at the output instead: walked on from there
+    stack = [t.grad_fn for t in (*outs, *projected) if isinstance(t, Tensor) and t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if getattr(fn, "spec", None) is spec and hasattr(fn, "places"):  # a _Receive of this tap
+            reached.update(fn.places)
+        stack.extend(f for f, _ in fn.next_functions if f is not None and f not in seen)
+    missed = received - reached
     spec.unreached |= missed
     return missed
 
