@@ -253,6 +253,35 @@ def test_credit_norm_is_written_onto_g():
     assert type(G.nodes["x"]["credit_norm"]) is float
 
 
+def test_credit_norms_of_many_small_credits_are_each_credit_s_own():
+    """Small credits of one shape are stacked for their norms (one norm, not hundreds, on a
+    deep MLP). Oracle: torch.linalg.vector_norm of each credit on its own, to 1e-12; of every
+    kind of group: one shape many times, a shape once, large, empty, float32 beside float64,
+    a view, and a tuple of tensors."""
+    from fxnx._credit.result import credit_norms
+
+    gen = torch.Generator().manual_seed(0)
+    credits = {f"small{i}": torch.randn(1, 128, dtype=torch.float64, generator=gen) * i for i in range(40)}
+    credits |= {
+        "once": torch.randn(3, 5, dtype=torch.float64, generator=gen),
+        "large": torch.randn(200, 200, dtype=torch.float64, generator=gen),
+        "empty": torch.zeros(0, 128, dtype=torch.float64),
+        "single": torch.randn(7, generator=gen), "single2": torch.randn(7, generator=gen),
+        "view": torch.randn(128, 1, dtype=torch.float64, generator=gen).T,
+        "pair": (torch.randn(2, 2, generator=gen), torch.randn(3, generator=gen)),
+        "none": None,
+    }
+    got = credit_norms(credits)
+    assert got["none"] is None
+    for name, credit in credits.items():
+        if credit is None:
+            continue
+        parts = credit if isinstance(credit, tuple) else (credit,)
+        want = math.sqrt(sum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in parts))
+        tolerance = 1e-12 if all(t.dtype == torch.float64 for t in parts) else 1e-6
+        assert abs(got[name] - want) <= tolerance * max(want, 1e-300), name
+
+
 # --- no side effects --------------------------------------------------------------------------
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -96,7 +96,7 @@ def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
         group[1].append(c)
     with torch.no_grad():
         for group_names, members in groups.values():
-            values = torch.stack(vector_norms(members)).tolist()
+            values = _norms(members).tolist()
             norms.update(zip(group_names, map(float, values), strict=True))
     for name, c in node_credit.items():
         if not isinstance(c, Tensor):
@@ -106,6 +106,33 @@ def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
 
 #: What the norms of one call share: a tensor's dtype and device.
 _KIND = operator.attrgetter("dtype", "device")
+#: Tensors of at most this many elements, and of one shape, are stacked for their norms: one
+#: norm over the stack costs less than a norm each (a deep MLP's hundreds of credits), and
+#: copying them costs little.
+_SMALL = 1 << 14
+
+
+def _norms(members: list[Tensor]) -> Tensor:
+    """The norm of each of ``members`` (one dtype and device), in order, as one tensor."""
+    found: list[Tensor | None] = [None] * len(members)
+    stacks: dict[torch.Size, list[int]] = {}
+    rest: list[int] = []
+    for i, t in enumerate(members):
+        if t.numel() <= _SMALL:
+            stacks.setdefault(t.shape, []).append(i)
+        else:
+            rest.append(i)
+    for at in stacks.values():
+        if len(at) == 1:
+            rest += at
+            continue
+        stacked = torch.stack([members[i] for i in at]).reshape(len(at), -1)
+        for i, norm in zip(at, torch.linalg.vector_norm(stacked, dim=1), strict=True):
+            found[i] = norm
+    if rest:
+        for i, norm in zip(rest, vector_norms([members[i] for i in rest]), strict=True):
+            found[i] = norm
+    return torch.stack(cast(list[Tensor], found))
 
 
 def owned(node_credit: dict[str, Any], given: Any = None) -> dict[str, Any]:
