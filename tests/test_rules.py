@@ -93,19 +93,20 @@ def test_sign_symmetry_by_hand(variant):
         assert torch.equal(seen[0], seen[1])  # uniform, or drawn once
 
 
+@pytest.mark.parametrize("width", [3, 300])  # brSF's B made two ways: small, and large (90,000 values)
 @pytest.mark.parametrize("variant", ["usf", "frsf", "brsf"])
-def test_sign_symmetry_sends_nothing_through_a_zero_weight_and_nan_through_a_nan(variant):
+def test_sign_symmetry_sends_nothing_through_a_zero_weight_and_nan_through_a_nan(variant, width):
     """torch.sign (BioTorch's sign) is 0 at a zero weight, either sign of zero, and at a NaN:
     B is zero there, as the formula by hand says, however M was made."""
-    model = _mlp(5, 7, 3)
+    model = _mlp(5, 7 if width == 3 else width, width)
     with torch.no_grad():
         model[2].weight[0, 1] = 0.0
         model[2].weight[1, 2] = -0.0
-    x, e = torch.randn(3, 5, dtype=f64), torch.eye(3, dtype=f64)  # credit at a = B itself
+    x, e = torch.randn(width, 5, dtype=f64), torch.eye(width, dtype=f64)  # credit at a = B itself
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule=variant, node_credit=True)
     router(x)
     B = router.backward(output_credit=e, node_credit=True).node_credit["_1"]
-    M = router.feedback["_2"] if variant != "usf" else math.sqrt(2 / (7 + 3))
+    M = router.feedback["_2"] if variant != "usf" else math.sqrt(2 / sum(model[2].weight.shape))
     assert torch.equal(B, torch.sign(model[2].weight.detach()) * M)
     assert B[0, 1] == 0 and B[1, 2] == 0
     with torch.no_grad():

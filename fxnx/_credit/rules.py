@@ -496,19 +496,23 @@ class _Later(Mapping[str, Tensor]):
 
 def signed(magnitudes: Mapping[str, Tensor | float], name: str, W: Tensor) -> Tensor:
     """Sign symmetry's ``B = sign(W)·M`` for the weight ``name`` (``W`` detached), laid out
-    like ``W``. A fresh brSF draw is made into ``B`` where it lies: ``copysign`` is
-    ``sign(W)·M`` wherever ``W`` is neither zero nor NaN, which two reductions check (each
-    cheaper than the allocation it saves)."""
-    if isinstance(magnitudes, _Later):
-        B = fb.laid_out_like(magnitudes[name], W).copysign_(W)
+    like ``W``. A fresh brSF draw of a large weight is made into ``B`` where it lies:
+    ``copysign`` is ``sign(W)·M`` wherever ``W`` is neither zero nor NaN, which two reductions
+    check (each cheaper than the allocation it saves; for a small weight, dearer than it)."""
+    M = magnitudes[name]
+    if isinstance(magnitudes, _Later) and W.numel() > _SMALL_DRAW:
+        B = fb.laid_out_like(M, W).copysign_(W)
         if int(torch.count_nonzero(W)) == W.numel() and not math.isnan(float(W.sum())):
             return B
         return B.abs_().mul_(torch.sign(W))  # torch.sign is 0 at a zero weight and at a NaN
-    M = magnitudes[name]
     if W.is_contiguous():  # sign keeps a dense layout: one allocation, two ops
         return torch.sign(W).mul_(M)
     B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device)
     return torch.sign(W, out=B).mul_(M)
+
+
+#: A brSF draw of at most this many values is multiplied by ``sign(W)`` (see :func:`signed`).
+_SMALL_DRAW = 1 << 16
 
 
 class DirectFeedbackAlignment(_Drawn):
