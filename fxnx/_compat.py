@@ -46,6 +46,7 @@ __all__ = [
     "own_forward",
     "runs_own_forward",
     "own_buffers",
+    "own_parameters",
     "own_tables",
     "uncompiled",
     "graph_module",
@@ -147,9 +148,10 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "global hook by a credit run",
     ),
     (
-        "nn.Module._buffers, nn.Module._parameters (own_buffers, own_tables)",
-        "route_credit and the model's first probe: the buffers to restore afterwards, read "
-        "module by module from each one's table; runs of the model beside the user's: a "
+        "nn.Module._buffers, nn.Module._parameters (own_buffers, own_parameters, own_tables)",
+        "route_credit and the model's first probe: the buffers to restore afterwards, and "
+        "the parameters route_credit's kept router is keyed by, read module by module from "
+        "each one's table; runs of the model beside the user's: a "
         "buffer or parameter a forward rebinds, given back (own_tables)",
         "buffers(recurse=False), a generator per module; a buffer rebound is not given back",
     ),
@@ -568,6 +570,15 @@ def own_tables(module: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     them elsewhere."""
     own = vars(module)
     return own.get("_buffers", {}), own.get("_parameters", {})
+
+
+def own_parameters(module: Any) -> list[torch.Tensor]:
+    """The parameters ``module`` registers itself (``parameters(recurse=False)``, read from
+    its table, as :func:`own_buffers` reads buffers)."""
+    try:
+        return [p for p in module._parameters.values() if p is not None]
+    except AttributeError:  # a torch that keeps them elsewhere
+        return list(module.parameters(recurse=False))
 
 
 def own_buffers(module: Any) -> list[torch.Tensor]:

@@ -12,8 +12,9 @@ the same training step through the model with autograd, reported as a fraction o
   step: that read is the least the rule adds. Against it stands what the rule does not do: the
   input gradient of each layer it routes (see the profile the note quotes).
 * ``brsf``: fresh magnitudes for every weight the rule routes, drawn as fxnx draws them (16
-  random bits a value, ``fxnx._credit.feedback.magnitudes``), and ``sign(W)·M`` made from them:
-  the least the rule adds, as it defines a new ``B`` at every step; it saves nothing.
+  random bits a value, ``fxnx._credit.feedback.magnitudes``), and ``sign(W)·M`` made from them
+  as the router makes it (``fxnx._credit.rules.signed``): the least the rule adds, as it
+  defines a new ``B`` at every step; it saves nothing.
 
 Where a fraction passes 0.10 by more than the rule saves, the 1.10 target is out of reach for
 that rule on that model, whatever the router does.
@@ -34,12 +35,13 @@ from bench_router import MODELS, _cpu_seconds, _step, build
 
 import fxnx
 from fxnx._credit import feedback as fb
+from fxnx._credit.rules import _Later, signed
 
 
 def _direct_projections(router: fxnx.CreditRouter, batch: int, width: int) -> Callable[[], None]:
     """Every ``e @ B`` of one step: ``e`` of ``batch × width`` against each feedback tensor."""
     e = torch.randn(batch, width)
-    matrices = [B.reshape(B.shape[0], -1) for B in router.feedback.values() if isinstance(B, torch.Tensor)]
+    matrices = [B.reshape(B.shape[0], -1) for B in _all_tensors(router.feedback)]
 
     def project() -> None:
         for B in matrices:
@@ -49,14 +51,16 @@ def _direct_projections(router: fxnx.CreditRouter, batch: int, width: int) -> Ca
 
 
 def _sign_draws(router: fxnx.CreditRouter) -> Callable[[], None]:
-    """brSF's draw and ``sign(W)·M`` for each weight the router routes by sign symmetry (a
-    weight of its shape: the values do not change the work)."""
+    """brSF's draw and ``sign(W)·M`` for each weight the router routes by sign symmetry, as
+    the router makes them (``rules.signed`` of a fresh draw), for a weight of its shape (the
+    values do not change the work)."""
     weights = [torch.randn_like(M) for M in _all_tensors(router.feedback)]
+    draws = [_Later({"w": functools.partial(fb.magnitudes, "xavier", W.shape, seed=0, key=str(k), like=W,
+                                            max_bytes=None)}) for k, W in enumerate(weights)]
 
     def draw() -> None:
-        for k, W in enumerate(weights):
-            M = fb.magnitudes("xavier", W.shape, seed=0, key=str(k), like=W, max_bytes=None)
-            torch.sign(W).mul_(M)
+        for W, M in zip(weights, draws, strict=True):
+            signed(M, "w", W)
 
     return draw
 

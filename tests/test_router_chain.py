@@ -469,3 +469,66 @@ def test_direct_feedback_with_a_weight_tied_after_the_router_was_built_runs_the_
         out.pow(2).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     _same(*grads)
+
+
+@pytest.mark.parametrize("rule", ["feedback_alignment", "direct_feedback_alignment"])
+def test_layers_without_bias_fuse(rule):
+    """Layers with no bias (``bias=False``) fuse: the same gradients as the unfused router,
+    bit for bit, from one autograd function."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(6, 6, bias=False), nn.ReLU())), nn.Linear(6, 2)).double()
+    x = torch.randn(4, 6, dtype=f64)
+    grads = []
+    for router in _routers(fxnx.convert(model, x), model, x, rule):
+        model.zero_grad(set_to_none=True)
+        given = x.clone().requires_grad_()
+        out = router(given)
+        grads.append((_runs(out, "_DirectChainBackward" if rule.startswith("direct") else "_ChainBackward"),
+                      [p.grad for p in model.parameters()], given.grad))
+        out.pow(2).sum().backward()
+        grads[-1] = (grads[-1][0], [p.grad for p in model.parameters()], given.grad)
+    (runs, got, got_x), (none, want, want_x) = grads
+    assert runs == 1 and none == 0
+    _same(got, want)
+    _same([got_x], [want_x])
+
+
+class _Hidden(nn.Module):
+    """A run whose hidden value the model returns, under weight transport, beside a node
+    routed by direct feedback (so the output has a tap)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 3), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(torch.relu(self.b(h))) + self.d(x), h
+
+
+def test_a_weight_transport_run_ends_at_a_value_the_model_returns_beside_a_tap():
+    """The tap at the output reads the returned hidden value, and a weight-transport run
+    returns only its output: the run ends there (before, building the router's graph failed,
+    erasing a node the tap still read). Oracle: with feedback equal to the weights, feedback
+    alignment is backprop (autograd on the model), and the unfused router bit for bit."""
+    model = _Hidden().double()
+    x = torch.randn(4, 5, dtype=f64)
+    G = fxnx.convert(model, x)
+    rules = {"d": fxnx.credit.DirectFeedbackAlignment()}
+    fb = {name: getattr(model, name).weight.detach().clone() for name in "abc"}
+    grads = []
+    for fuse in (True, False):
+        router = fxnx.CreditRouter(G, model, rule="feedback_alignment", rules=rules, feedback=fb, fuse=fuse)
+        model.zero_grad(set_to_none=True)
+        y, h = router(x)
+        (y.pow(2).sum() + h.sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    _same(grads[0], grads[1])
+    model.zero_grad(set_to_none=True)
+    y, h = model(x)
+    (y.pow(2).sum() + h.sum()).backward()
+    for name in "abc":
+        for p in getattr(model, name).parameters():
+            got = grads[0][[q is p for q in model.parameters()].index(True)]
+            assert rel_error(got, p.grad) <= 1e-12

@@ -105,13 +105,13 @@ class ActivationCall:
     setting: Any  # a function's constant (a module's is read at each call)
 
     def constant(self) -> Any:
-        """Its constant for this call; raises :class:`_Apart` where its module cannot run as
+        """Its constant for this call; raises :class:`Apart` where its module cannot run as
         part of the run now (a hook, a patched forward, made in place since)."""
         module = self.module
         if module is None:
             return self.setting
         if not runs_own_forward(module, self.own) or _in_place(self.activation, module):
-            raise _Apart
+            raise Apart
         return self.activation.constant_of(module)
 
 
@@ -141,7 +141,7 @@ def _in_place(act: Activation, module: Any) -> bool:
     return act is not _RELU and bool(getattr(module, "inplace", False))
 
 
-class _Apart(Exception):
+class Apart(Exception):
     """A node of a run cannot run as part of it at this call: the run's nodes run one by one."""
 
 
@@ -180,10 +180,10 @@ def chain_call(chain: Chain, x: Any) -> Any:
             # the run computes each later layer's input: a plain 2-D tensor where the first's is
             layer = one_function(step.spec, x) if step.spec is first else linear_weights(step.spec)
             if layer is None:
-                raise _Apart
+                raise Apart
             params += layer
             constants.append(step.act.constant() if step.act is not None else None)
-    except _Apart:
+    except Apart:
         return chain.unfused(x)
     feedback = []
     for step in chain.steps:
@@ -218,7 +218,7 @@ class _Chain(torch.autograd.Function):
         places: list[list[int | None]] = []
         awaiting: int | None = None  # the layer whose activation reads its output: the next input
         sends, stamps = [], []
-        ctx.first, ctx.start = weakref.ref(x), version(x)
+        stamp_input(ctx, x)
         for i, step in enumerate(chain.steps):
             W, b = cast(Tensor, params[2 * i]), params[2 * i + 1]
             if awaiting is not None:
@@ -264,9 +264,7 @@ class _Chain(torch.autograd.Function):
             for step, stamp in reversed(list(zip(steps, ctx.stamps, strict=True))):  # as the backward meets them
                 if step.spec.signs and stamp is not None and version(step.spec.weights[step.spec.first]) != stamp:
                     raise _sign_written(step.spec.call.name) from None
-            first = ctx.first()
-            node = chain.names[0] if first is not None and version(first) != ctx.start else chain.names[-1]
-            raise RuntimeError(f"node {node!r}: {error}") from None
+            raise RuntimeError(f"node {written_node(ctx, chain.names)!r}: {error}") from None
         needs, taken = ctx.needs_input_grad, ctx.taken
         grads: list[Tensor | None] = [None] * (2 * len(steps))
         g = credit
@@ -305,6 +303,19 @@ class _Chain(torch.autograd.Function):
                 t = (act.tangent or act.backward)(t, read, constants[i])
         assert t is not None  # forward mode calls jvp where some input has a tangent
         return t
+
+
+def stamp_input(ctx: Any, x: Tensor) -> None:
+    """Keep, on a run's ``ctx``, its input and that input's write counter (for
+    :func:`written_node`)."""
+    ctx.first, ctx.start = weakref.ref(x), version(x)
+
+
+def written_node(ctx: Any, names: list[str]) -> str:
+    """The node a write that autograd's check of a run's saved tensors found belongs to: the
+    run's first, where its input was written since (:func:`stamp_input`), else its last."""
+    first = ctx.first()
+    return names[0] if first is not None and version(first) != ctx.start else names[-1]
 
 
 def refuse_higher_order(names: list[str]) -> None:

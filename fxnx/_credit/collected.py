@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .._capture import TRACING_LOCK
 from .._capture.options import LeafSpec
 from .._capture.reuse import kept_on
-from .._compat import own_tables, pytree
+from .._compat import own_parameters, pytree
 from .._state import preserved
 from .accumulated import routed
 from .nodecall import fresh_leaf
@@ -178,7 +178,7 @@ def _router(
         return fresh()
     # the parameters themselves: one replaced (layer.weight = nn.Parameter(...)) is another
     # plan's, whose credit the kept plan would not report
-    params = tuple(id(p) for m in model.modules() for p in own_tables(m)[1].values()) if isinstance(model, nn.Module) else ()
+    params = tuple(id(p) for m in model.modules() for p in own_parameters(m)) if isinstance(model, nn.Module) else ()
     key = (id(model), rule, seed, G.number_of_nodes(), hash(tuple(G.edges(keys=True))), params)
     kept = kept_on(G, _SLOT)
     router = kept.get(key)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -29,11 +28,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._compat import linear_parameters, version
-from .chain import ActivationCall, _Apart, refuse_higher_order
+from .._compat import linear_parameters
+from .chain import ActivationCall, Apart, refuse_higher_order, stamp_input, written_node
 from .native import PLAIN_TENSORS
 from .rules import RoutingState
-from .taps import TapSpec, _output_credit, direct_linear
+from .taps import TapSpec, direct_linear, output_credit
 
 __all__ = ["DirectChain", "DirectStep", "direct_chain_call"]
 
@@ -81,8 +80,10 @@ def direct_chain_call(chain: DirectChain, spec: TapSpec, state: RoutingState, x:
     tap reads). As one autograd function where each layer could run as
     :class:`.taps._DirectLinear` (nothing hooks it; its input, a plain 2-D real tensor, takes
     credit; the backward pass reaches it) and each activation can run as part of the run, with
-    gradients on and no autocast; else its nodes one by one. A first layer whose input takes no
-    credit (the model's input) runs on its own first, as the graph runs it."""
+    gradients on and no autocast; else its nodes one by one. In a run of three or more layers,
+    a first layer whose input takes no credit (the model's input) runs on its own first, as the
+    graph runs it, and the rest as one function (a run of two whose input takes none runs as
+    its nodes)."""
     steps, inputs = chain.steps, []
     if (torch.is_grad_enabled() and type(x) in PLAIN_TENSORS and not x.requires_grad and len(steps) > 2
             and not torch.is_autocast_enabled(x.device.type)):
@@ -96,14 +97,15 @@ def direct_chain_call(chain: DirectChain, spec: TapSpec, state: RoutingState, x:
         constants = []
         try:
             for step in steps:
-                held = linear_parameters(step.layer)
-                if held is None or not held[0].is_floating_point():
-                    raise _Apart
-                params += held
+                weights = linear_parameters(step.layer)
+                if weights is None or not weights[0].is_floating_point():
+                    raise Apart
+                params += weights
                 constants.append(step.act.constant() if step.act is not None else None)
-            if len(set(map(id, params))) != len(params):  # a weight tied since: summed as apart
-                raise _Apart
-        except _Apart:
+            tensors = [p for p in params if p is not None]
+            if len(set(map(id, tensors))) != len(tensors):  # a weight tied since: summed as apart
+                raise Apart
+        except Apart:
             pass
         else:
             state._received.update(step.place for step in steps)
@@ -124,14 +126,14 @@ class _DirectChain(torch.autograd.Function):
     is)."""
 
     @staticmethod
-    def forward(ctx: Any, chain: DirectChain, held: tuple[TapSpec, RoutingState, tuple[Any, ...]], x: Tensor,  # type: ignore[override]
+    def forward(ctx: Any, chain: DirectChain, taken: tuple[TapSpec, RoutingState, tuple[Any, ...]], x: Tensor,  # type: ignore[override]
                 *params: Tensor | None) -> tuple[Tensor, ...]:
-        spec, state, constants = held
+        spec, state, constants = taken
         needs = ctx.needs_input_grad
         saved: list[Tensor] = []
         slots: list[tuple[int | None, int | None]] = []  # each layer's: its input (where W takes credit), its activation's
         shapes, inputs = [], []
-        ctx.first, ctx.start = weakref.ref(x), version(x)
+        stamp_input(ctx, x)
         for i, step in enumerate(chain.steps):
             W, b = cast(Tensor, params[2 * i]), params[2 * i + 1]
             if i:
@@ -161,10 +163,8 @@ class _DirectChain(torch.autograd.Function):
         try:
             saved = ctx.saved_tensors
         except RuntimeError as error:  # autograd's own check, on what the forward pass saved
-            first = ctx.first()
-            node = chain.names[0] if first is not None and version(first) != ctx.start else chain.names[-1]
-            raise RuntimeError(f"node {node!r}: {error}") from None
-        e = _output_credit(ctx)
+            raise RuntimeError(f"node {written_node(ctx, chain.names)!r}: {error}") from None
+        e = output_credit(ctx)
         needs = ctx.needs_input_grad
         g: Tensor | None
         steps = chain.steps

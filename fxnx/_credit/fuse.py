@@ -2,7 +2,8 @@
 one node: under weight transport (:mod:`.chain`) and under direct feedback alignment
 (:mod:`.direct_chain`).
 
-A run is two or more ``nn.Linear`` layers routed by one of them, each layer's value read by
+A run is two or more ``nn.Linear`` layers all under one rule family (under direct feedback,
+one tap and routing state), each layer's value read by
 the next layer alone, directly or through one elementwise activation nothing else reads, one
 after another in the graph with nothing between them but the next layer's own attributes (a
 write into a weight, ``torch.no_grad()``'s clamp, would otherwise run after the layers past
@@ -95,14 +96,16 @@ def _run_from(node: fx.Node, root: dict[str, Any]) -> list[tuple[fx.Node, Layer,
                 act_node, (act, setting) = users[0], found
                 end = act_node
         run.append((current, layer, act_node, act, setting))
-        # (direct feedback: the output's tap reads each layer's input too; a value the model
-        # returns, bare or inside its output, ends the run)
+        # (direct feedback: the output's tap reads each layer's input too, and a run returns
+        # its later layers' inputs for it; a value the model returns, bare or inside its
+        # output, ends the run, as a weight-transport run returns only its output)
         following = [user for user in end.users if user.target is not tap_output or _returns(user, end)]
         nxt = following[0] if len(following) == 1 else None
-        layer = _layer(nxt, root) if nxt is not None else None
-        same = nxt is not None and nxt.target is node.target and (
-            node.target is native_call or nxt.args[:2] == node.args[:2])  # direct: one tap, one state
-        current = nxt if layer is not None and same and nxt is not None and nxt.args[-1] is end and _adjacent(end, nxt) else None
+        layer, current = None, None
+        if nxt is not None and nxt.target is node.target and nxt.args[-1] is end and (
+                node.target is native_call or nxt.args[:2] == node.args[:2]):  # direct: one tap, one state
+            layer = _layer(nxt, root)
+            current = nxt if layer is not None and _adjacent(end, nxt) else None
     return run
 
 

@@ -146,12 +146,15 @@ class CreditRouter(nn.Module):
         The ``concrete_args`` ``G`` was converted with, if any: they change what the model
         computes, so the ones ``G`` stores are checked against these, never applied.
     fuse : bool
-        Route each run of linear layers (an MLP's, under a rule other than exact) as one
-        autograd function, which is faster on small, deep models: the same credit bit for
-        bit, each parameter's reaching it when the whole run's backward is done (its hooks,
-        and DDP's reduction, run then). False keeps one autograd function per node of
-        ``G``, as a backward pass that records its own graph (``create_graph=True``)
-        through such a run needs.
+        Route each run of ``nn.Linear`` layers (an MLP's) under a built-in weight-transport
+        rule (feedback alignment, sign symmetry, Kolen–Pollack, weight mirrors) or direct
+        feedback alignment as one autograd function, which is faster on small, deep models:
+        the same credit bit for bit, each parameter's reaching it when the whole run's
+        backward is done (its hooks, and DDP's reduction, run then). False keeps one
+        autograd function per node of ``G``, as a backward pass that records its own graph
+        (``create_graph=True``) through such a run needs. A router with ``node_credit=True``
+        never fuses: ``router.backward`` reports every node's credit. Fixed when the router
+        is built.
 
     Raises
     ------
@@ -235,7 +238,7 @@ class CreditRouter(nn.Module):
         self.G = snapshot(G, _CHECKED, _SAME_BACKWARD, _EAGER)
         self.seed = seed
         self.node_credit = bool(node_credit)
-        self.fuse = bool(fuse)
+        self._fuse = bool(fuse)
         self._given = dict(feedback or {})
         #: node name to its state loaded by load_state_dict, bound at the next call (.saved)
         self._loaded: dict[str, dict[str, Any]] = {}
@@ -577,7 +580,7 @@ class CreditRouter(nn.Module):
                 self._warn_if_unused(plan)
             # (a graph that follows the example's values is compared at every call, below)
             seen = self._probe(plan, cap, inputs, kwargs, compare=not cap.reads_values)
-            run = graft(plan, seed=self.seed, collect=collect, fused=self.fuse, probe=seen)
+            run = graft(plan, seed=self.seed, collect=collect, fused=self._fuse, probe=seen)
             run.expect = seen  # its first run is checked against the captured graph's output
             self._grafts[key] = run
         if cap.reads_values and not run.plain:  # its branches may not be these inputs'

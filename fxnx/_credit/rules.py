@@ -35,7 +35,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from torch import Tensor
@@ -494,6 +494,10 @@ class _Later(Mapping[str, Tensor]):
         return len(self._draws)
 
 
+#: A brSF draw of at most this many values is multiplied by ``sign(W)`` (see :func:`signed`).
+_SMALL_DRAW = 1 << 16
+
+
 def signed(magnitudes: Mapping[str, Tensor | float], name: str, W: Tensor) -> Tensor:
     """Sign symmetry's ``B = sign(W)·M`` for the weight ``name`` (``W`` detached), laid out
     like ``W``. A fresh brSF draw of a large weight is made into ``B`` where it lies:
@@ -501,7 +505,7 @@ def signed(magnitudes: Mapping[str, Tensor | float], name: str, W: Tensor) -> Te
     check (each cheaper than the allocation it saves; for a small weight, dearer than it)."""
     M = magnitudes[name]
     if isinstance(magnitudes, _Later) and W.numel() > _SMALL_DRAW:
-        B = fb.laid_out_like(M, W).copysign_(W)
+        B = fb.laid_out_like(cast(Tensor, M), W).copysign_(W)
         if int(torch.count_nonzero(W)) == W.numel() and not math.isnan(float(W.sum())):
             return B
         return B.abs_().mul_(torch.sign(W))  # torch.sign is 0 at a zero weight and at a NaN
@@ -510,9 +514,6 @@ def signed(magnitudes: Mapping[str, Tensor | float], name: str, W: Tensor) -> Te
     B = torch.empty_strided(W.shape, W.stride(), dtype=W.dtype, device=W.device)
     return torch.sign(W, out=B).mul_(M)
 
-
-#: A brSF draw of at most this many values is multiplied by ``sign(W)`` (see :func:`signed`).
-_SMALL_DRAW = 1 << 16
 
 
 class DirectFeedbackAlignment(_Drawn):

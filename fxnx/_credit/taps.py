@@ -173,7 +173,7 @@ class _Receive(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        e, spec = _output_credit(ctx), ctx.spec
+        e, spec = output_credit(ctx), ctx.spec
         needs = ctx.needs_input_grad[4:]
         sent = [
             spec.send(j, e, shape, dtype, ctx.state) if needed else None
@@ -182,7 +182,7 @@ class _Receive(torch.autograd.Function):
         return (None, None, None, credit, *sent)
 
 
-def _output_credit(ctx: Any) -> Tensor:
+def output_credit(ctx: Any) -> Tensor:
     """``e``, the output's credit, which the output's tap sets before the backward pass
     reaches any node (``ctx`` is a node's, receiving at ``ctx.places``)."""
     e = ctx.state._direct
@@ -238,7 +238,7 @@ class _DirectLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, credit: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        e = _output_credit(ctx)
+        e = output_credit(ctx)
         needs = ctx.needs_input_grad
         sent = ctx.spec.send(ctx.places[0], e, ctx.shape, ctx.dtype, ctx.state) if needs[0] else None
         rows = credit.reshape(-1, credit.shape[-1])  # every dimension but the last, as one
