@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -145,6 +145,22 @@ class Apart(Exception):
     """A node of a run cannot run as part of it at this call: the run's nodes run one by one."""
 
 
+def taken_at_call(steps: Sequence[Any], weights_of: Callable[[Any], Sequence[Tensor | None] | None]) -> tuple[list[Tensor | None], list[Any]]:
+    """What a run's steps take at this call: each layer's weight and bias (``weights_of(step)``,
+    None where the layer cannot run as part of the run now), in order, and each activation's
+    constant (None where a step has no activation). Raises :class:`Apart` where a layer or an
+    activation cannot."""
+    params: list[Tensor | None] = []
+    constants = []
+    for step in steps:
+        weights = weights_of(step)
+        if weights is None:
+            raise Apart
+        params += weights
+        constants.append(step.act.constant() if step.act is not None else None)
+    return params, constants
+
+
 @dataclasses.dataclass
 class Chain:
     """A run of layers that :func:`chain_call` routes as one autograd function."""
@@ -173,16 +189,10 @@ def chain_call(chain: Chain, x: Any) -> Any:
     if (not torch.is_grad_enabled() or torch.is_autocast_enabled(first.device)
             or (isinstance(x, Tensor) and x.is_inference())):
         return chain.unfused(x)
-    params: list[Tensor | None] = []
-    constants = []
     try:
-        for step in chain.steps:
-            # the run computes each later layer's input: a plain 2-D tensor where the first's is
-            layer = one_function(step.spec, x) if step.spec is first else linear_weights(step.spec)
-            if layer is None:
-                raise Apart
-            params += layer
-            constants.append(step.act.constant() if step.act is not None else None)
+        # the run computes each later layer's input: a plain 2-D tensor where the first's is
+        params, constants = taken_at_call(
+            chain.steps, lambda step: one_function(step.spec, x) if step.spec is first else linear_weights(step.spec))
     except Apart:
         return chain.unfused(x)
     feedback = []

@@ -29,10 +29,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._compat import linear_parameters
-from .chain import ActivationCall, Apart, refuse_higher_order, stamp_input, written_node
+from .chain import (
+    ActivationCall,
+    Apart,
+    refuse_higher_order,
+    stamp_input,
+    taken_at_call,
+    written_node,
+)
 from .native import PLAIN_TENSORS
 from .rules import RoutingState
-from .taps import TapSpec, direct_linear, output_credit
+from .taps import TapSpec, direct_linear, output_credit, takes_direct_credit
 
 __all__ = ["DirectChain", "DirectStep", "direct_chain_call"]
 
@@ -90,18 +97,9 @@ def direct_chain_call(chain: DirectChain, spec: TapSpec, state: RoutingState, x:
         x = steps[0].run(spec, state, x)
         inputs.append(x)
         steps = steps[1:]
-    if (torch.is_grad_enabled() and type(x) in PLAIN_TENSORS and x.dim() == 2 and x.is_floating_point()
-            and x.requires_grad and not torch.is_autocast_enabled(x.device.type)
-            and not any(step.place in spec.unreached for step in steps)):
-        params: list[Tensor | None] = []
-        constants = []
+    if takes_direct_credit(x) and x.dim() == 2 and not any(step.place in spec.unreached for step in steps):
         try:
-            for step in steps:
-                weights = linear_parameters(step.layer)
-                if weights is None or not weights[0].is_floating_point():
-                    raise Apart
-                params += weights
-                constants.append(step.act.constant() if step.act is not None else None)
+            params, constants = taken_at_call(steps, _real_weights)
             tensors = [p for p in params if p is not None]
             if len(set(map(id, tensors))) != len(tensors):  # a weight tied since: summed as apart
                 raise Apart
@@ -115,6 +113,13 @@ def direct_chain_call(chain: DirectChain, spec: TapSpec, state: RoutingState, x:
         x = step.run(spec, state, x)
         inputs.append(x)
     return (inputs.pop(), *inputs)
+
+
+def _real_weights(step: DirectStep) -> tuple[Tensor, Tensor | None] | None:
+    """A step's layer's weight and bias where calling it would run ``F.linear`` on them alone
+    and its weight is real; None otherwise."""
+    weights = linear_parameters(step.layer)
+    return weights if weights is not None and weights[0].is_floating_point() else None
 
 
 class _DirectChain(torch.autograd.Function):

@@ -213,12 +213,18 @@ def direct_linear(spec: TapSpec, state: RoutingState, place: int, layer: torch.n
 def direct_f_linear(spec: TapSpec, state: RoutingState, place: int, x: Any, W: Tensor, b: Tensor | None = None) -> Any:
     """``F.linear(x, W, b)`` as :func:`direct_linear` runs a layer: one autograd function
     where it can be, else on ``x`` detached, then :func:`receive`."""
-    if (type(x) in PLAIN_TENSORS and x.requires_grad and x.dim() >= 2 and x.is_floating_point()
-            and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
-            and place not in spec.unreached):
+    if takes_direct_credit(x) and x.dim() >= 2 and place not in spec.unreached:
         state._received.add(place)
         return _DirectLinear.apply(x, W, b, spec, state, place)
     return receive(spec, state, (place,), torch.nn.functional.linear(detached(x), W, b), x)
+
+
+def takes_direct_credit(x: Any) -> bool:
+    """Whether a layer's input ``x`` can take its projection from an autograd function that
+    also runs the layer (:class:`_DirectLinear`, a fused run): a plain real tensor that takes
+    credit, with gradients on and no autocast."""
+    return (type(x) in PLAIN_TENSORS and x.requires_grad and x.is_floating_point()
+            and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type))
 
 
 class _DirectLinear(torch.autograd.Function):
