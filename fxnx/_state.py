@@ -29,14 +29,15 @@ def random_state_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def preserved(model: Any) -> Iterator[None]:
+def preserved(model: Any, modules: list[nn.Module] | None = None) -> Iterator[None]:
     """Restore buffers (BatchNorm running stats, ``num_batches_tracked``), the contents of
     the dicts and lists modules keep as attributes (caches, such as timm LeViT's attention
     biases, filled on a first call in eval mode), the state of random generators they keep
     (``torch.Generator``), torch's CPU random state and Python's ``random`` state when the
     block ends, so running the model inside it changes nothing the
     user sees; buffers nothing wrote are not touched at all. (Attributes a forward sets:
-    :func:`attributes_kept`.)
+    :func:`attributes_kept`.) ``modules``: ``list(model.modules())``, where the caller has
+    it already.
 
     Examples
     --------
@@ -46,7 +47,8 @@ def preserved(model: Any) -> Iterator[None]:
     >>> bn.running_mean.tolist(), int(bn.num_batches_tracked)
     ([0.0, 0.0], 0)
     """
-    modules = list(model.modules()) if isinstance(model, nn.Module) else []
+    if modules is None:
+        modules = list(model.modules()) if isinstance(model, nn.Module) else []
     buffers = list({id(b): b for m in modules for b in own_buffers(m)}.values())
     saved = [b.detach().clone() for b in buffers]
     caches = _caches(modules)
@@ -128,10 +130,8 @@ def module_tables(m: nn.Module) -> tuple[dict[str, Any], ...]:
 
 #: nn.Module's own tables (parameters, buffers, submodules): changed only by the model's code.
 _TABLES = frozenset(vars(nn.Module()))
-#: Those of them that are dicts or lists, and their types.
-_OWN_DICTS = tuple(name for name, value in vars(nn.Module()).items() if type(value) in (dict, list))
-_OWN_TYPES = tuple(type(vars(nn.Module())[name]) for name in _OWN_DICTS)
-_GET_OWN = operator.itemgetter(*_OWN_DICTS)
+#: The types of attribute :func:`preserved` gives back the contents or state of.
+_CACHES = (dict, list, torch.Generator)
 
 
 def _caches(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
@@ -140,12 +140,12 @@ def _caches(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
     found = []
     for m in modules:
         own = vars(m)
-        kinds = list(map(type, own.values()))
-        if (kinds.count(dict) + kinds.count(list) == len(_OWN_DICTS) and torch.Generator not in kinds
-                and _own_tables_plain(own)):
-            continue  # nn.Module's own tables alone (most modules): checked in C
-        found += [(value, _kept(value)) for name, value in own.items()
-                  if name not in _TABLES and type(value) in (dict, list, torch.Generator)]
+        # the names nn.Module's own tables do not take (a set difference, in C: most
+        # modules have a few, ints and tuples)
+        for name in own.keys() - _TABLES:
+            value = own[name]
+            if type(value) in _CACHES:
+                found.append((value, _kept(value)))
     return found
 
 
@@ -154,14 +154,6 @@ def _kept(value: Any) -> Any:
     if type(value) is torch.Generator:
         return value.get_state()
     return type(value)(value)
-
-
-def _own_tables_plain(own: dict[str, Any]) -> bool:
-    """Whether a module holds each of nn.Module's own dicts and lists, of its own type."""
-    try:
-        return tuple(map(type, _GET_OWN(own))) == _OWN_TYPES
-    except KeyError:  # a table missing (a module unpickled from an older torch)
-        return False
 
 
 def _refill(caches: list[tuple[Any, Any]]) -> None:

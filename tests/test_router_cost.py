@@ -231,3 +231,57 @@ def test_a_router_follows_a_forward_patched_on_a_traced_through_class(monkeypatc
     router(x)
     monkeypatch.setattr(_Doubling, "forward", lambda self, x: self.fc(x) * 3.0)
     assert torch.equal(router(x), model(x))
+
+
+class _LiveAtTheStart(torch.autograd.Function):
+    """The identity; its backward (the last to run, at the model's start) counts the plain
+    tensors of the model's value shape that are still alive."""
+
+    counts: list[int] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, credit):
+        import gc
+
+        gc.collect()
+        _LiveAtTheStart.counts.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == (3, 5, 7)))
+        return credit
+
+
+class _Scaled(nn.Module):
+    """``depth`` products by a number, whose backward saves no value."""
+
+    def __init__(self, depth):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 7, dtype=f64))
+        self.depth = depth
+
+    def forward(self, x):
+        x = _LiveAtTheStart.apply(x * self.w)
+        for _ in range(self.depth):
+            x = x * 1.5
+        return x
+
+
+def test_route_credit_lets_each_value_go_once_autograd_is_done_with_it():
+    """route_credit reports every node's credit, not its value: a value autograd saves for
+    nothing is freed as in a plain backward, not held to the end of the backward pass. Oracle:
+    the Python tensors alive when the backward reaches the model's start (gc's count; autograd
+    holds the credits it has computed so far in C++ until the pass ends), for two depths: each
+    product more leaves no tensor more alive (held, its value would be)."""
+    x = torch.randn(3, 5, 7, dtype=f64)
+    live = []
+    for depth in (3, 6):
+        model = _Scaled(depth)
+        G = fxnx.convert(model, x)
+        _LiveAtTheStart.counts.clear()
+        res = fxnx.route_credit(G, model, x)
+        assert len(_LiveAtTheStart.counts) == 1
+        live.append(_LiveAtTheStart.counts[0])
+        assert sum(f"mul_{i}" in res.node_credit for i in range(1, depth + 1)) == depth
+        del res  # its credits would be counted at the next depth
+    assert live[1] == live[0]

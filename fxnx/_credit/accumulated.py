@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from .._compat import graph_task, pytree
 
@@ -42,28 +43,34 @@ def reaches(roots: list[Tensor], targets: list[Tensor]) -> bool:
     return False
 
 
-def routed(
-    names: list[str], nodes: Any, roots: list[Tensor], grads: list[Tensor] | None, params: dict[str, Tensor],
-) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """Autograd's backward from ``roots``: the credit at each value of ``nodes`` (named by
-    ``names``; the values a collecting forward returned, or None) and at each parameter.
-    Nothing is accumulated."""
-    wrt: list[Tensor] = list(params.values())
+def watched(names: list[str], values: Any) -> tuple[list[Place], list[Any]]:
+    """Where each named value's credit will be found (:func:`routed`'s ``places``) and the
+    gradient edge of each of its tensors that requires grad (a leaf: the tensor itself).
+    Edges hold no value: a caller that drops the values after this (``route_credit``) lets
+    autograd free each value as a plain backward does, once nothing left needs it."""
+    edges: list[Any] = []
 
     def watch(t: Tensor) -> int:
-        wrt.append(t)
-        return len(wrt) - 1
+        edges.append(t if t.grad_fn is None else get_gradient_edge(t))
+        return len(edges) - 1
 
-    places = _taken_apart(names, nodes, watch)
-    if not wrt or not roots:
+    return _taken_apart(names, values, watch), edges
+
+
+def routed(
+    places: list[Place], edges: list[Any], roots: list[Tensor], grads: list[Tensor] | None, params: dict[str, Tensor],
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Autograd's backward from ``roots``: the credit at each value :func:`watched` took
+    (``places``, ``edges``) and at each parameter. Nothing is accumulated."""
+    if not (edges or params) or not roots:
         return {name: None for name, *_ in places}, {}
-    got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+    got = torch.autograd.grad(roots, [*params.values(), *edges], grads, allow_unused=True)
     # autograd hands one tensor to a value and to a parameter it passes credit on to unchanged
     # (h + b): the parameter's credit gets its own
     at_nodes = {g.data_ptr() for g in got[len(params):] if g is not None}
     param_credit = {n: g.clone() if g.data_ptr() in at_nodes else g
                     for n, g in zip(params, got, strict=False) if g is not None}
-    return _credit_at(places, got.__getitem__), param_credit
+    return _credit_at(places, got[len(params):].__getitem__), param_credit
 
 
 def accumulated(

@@ -11,6 +11,7 @@ analysis, restoring buffers and leaving ``.grad`` alone.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ from .._capture.options import LeafSpec
 from .._capture.reuse import kept_on
 from .._compat import own_parameters, pytree
 from .._state import preserved
-from .accumulated import routed
+from .accumulated import routed, watched
 from .nodecall import fresh_leaf
 from .presets import PRESETS
 from .result import CreditResult, credit_norms, owned
@@ -116,18 +117,24 @@ def route_credit(
     >>> torch.allclose(res.node_credit["input_1"], torch.autograd.grad(model(x_).sum(), x_)[0])
     True
     """
-    router = _router(G, model, rule, rules, seed, feedback, leaf_modules, concrete_args)
+    modules = list(model.modules()) if isinstance(model, nn.Module) else []
+    router = _router(G, model, modules, rule, rules, seed, feedback, leaf_modules, concrete_args)
     # Every floating input is a leaf of its own: credit is reported at the inputs too.
     inputs, kwargs = fresh_leaf((tuple(inputs), dict(kwargs or {})))
     # Buffers are restored only after the backward: eval-mode BatchNorm's backward reads them.
-    with TRACING_LOCK, preserved(model):
+    with TRACING_LOCK, preserved(model, modules):
         run, values = router.grafted(inputs, kwargs, collect=True)
         result, output, nodes = run_checked(run, model, values)
+        # every node's value goes once its edge is taken: each is then freed as autograd
+        # frees it, not held to the end of the backward pass (nor its memory faulted in again
+        # at the next call, where the allocator gave it back to the system)
+        places, edges = watched(run.names, nodes)
+        del nodes
         flat = output_credit_like(result, output_credit)
         pairs = [(t, g) for t, g in zip(pytree.tree_leaves(result), flat, strict=True)
                  if isinstance(t, Tensor) and isinstance(g, Tensor) and t.requires_grad]
         params = {n: p for n, p in run.plan.params.items() if p.requires_grad}
-        node_credit, param_credit = routed(run.names, nodes, [t for t, _ in pairs], [g for _, g in pairs], params)
+        node_credit, param_credit = routed(places, edges, [t for t, _ in pairs], [g for _, g in pairs], params)
     node_credit[run.plan.entries[-1].call.name] = graph_credit(result, output, flat)
     # a parameter whose credit is the output credit itself (one added to the output, or
     # returned by the model) gets the caller's tensor back from autograd: copied, as nodes' are
@@ -156,7 +163,7 @@ def _recorded(G: nx.MultiDiGraph) -> list[Any]:
 
 
 def _router(
-    G: nx.MultiDiGraph, model: Any, rule: Any, rules: Any, seed: int, feedback: Any,
+    G: nx.MultiDiGraph, model: Any, modules: list[nn.Module], rule: Any, rules: Any, seed: int, feedback: Any,
     leaf_modules: Any, concrete_args: Any,
 ) -> CreditRouter:
     """A router for one run, kept on ``G`` for the next call with the same model and rule.
@@ -164,7 +171,7 @@ def _router(
     Its plan (the rule bound to each node, the edge matching) is then compiled once;
     an edit of ``G``'s edges or of its capture record, other rules or feedback, a parameter
     replaced, or a rule that changes between runs (brSF) make a new one, as does a model whose
-    structure changed (the capture does).
+    structure changed (the capture does). ``modules``: ``list(model.modules())``.
     """
     def fresh() -> CreditRouter:
         return CreditRouter(G, model, rule, rules=rules, seed=seed, feedback=feedback,
@@ -178,8 +185,9 @@ def _router(
         return fresh()
     # the parameters themselves: one replaced (layer.weight = nn.Parameter(...)) is another
     # plan's, whose credit the kept plan would not report
-    params = tuple(id(p) for m in model.modules() for p in own_parameters(m)) if isinstance(model, nn.Module) else ()
-    key = (id(model), rule, seed, G.number_of_nodes(), hash(tuple(G.edges(keys=True))), params)
+    params = tuple(map(id, itertools.chain.from_iterable(map(own_parameters, modules))))
+    # (iter: tuple() of the view itself walks every edge once more for its length)
+    key = (id(model), rule, seed, G.number_of_nodes(), hash(tuple(iter(G.edges(keys=True)))), params)
     kept = kept_on(G, _SLOT)
     router = kept.get(key)
     if router is None or router.model is not model or _recorded(router.G) != _recorded(G):  # (a copy of G)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -96,8 +96,7 @@ def credit_norms(node_credit: dict[str, Credit]) -> dict[str, float | None]:
         group[1].append(c)
     with torch.no_grad():
         for group_names, members in groups.values():
-            values = _norms(members).tolist()
-            norms.update(zip(group_names, map(float, values), strict=True))
+            norms.update(zip(group_names, _norms(members), strict=True))
     for name, c in node_credit.items():
         if not isinstance(c, Tensor):
             norms[name] = credit_norm(c)
@@ -112,9 +111,8 @@ _KIND = operator.attrgetter("dtype", "device")
 _SMALL = 1 << 14
 
 
-def _norms(members: list[Tensor]) -> Tensor:
-    """The norm of each of ``members`` (one dtype and device), in order, as one tensor."""
-    found: list[Tensor | None] = [None] * len(members)
+def _norms(members: list[Tensor]) -> list[float]:
+    """The norm of each of ``members`` (one dtype and device), in order, read back at once."""
     stacks: dict[torch.Size, list[int]] = {}
     rest: list[int] = []
     for i, t in enumerate(members):
@@ -122,17 +120,21 @@ def _norms(members: list[Tensor]) -> Tensor:
             stacks.setdefault(t.shape, []).append(i)
         else:
             rest.append(i)
+    order: list[int] = []
+    parts: list[Tensor] = []
     for at in stacks.values():
         if len(at) == 1:
             rest += at
             continue
-        stacked = torch.stack([members[i] for i in at]).reshape(len(at), -1)
-        for i, norm in zip(at, torch.linalg.vector_norm(stacked, dim=1), strict=True):
-            found[i] = norm
+        order += at
+        parts.append(torch.linalg.vector_norm(torch.stack([members[i] for i in at]).reshape(len(at), -1), dim=1))
     if rest:
-        for i, norm in zip(rest, vector_norms([members[i] for i in rest]), strict=True):
-            found[i] = norm
-    return torch.stack(cast(list[Tensor], found))
+        order += rest
+        parts.append(torch.stack(vector_norms([members[i] for i in rest])))
+    found = [0.0] * len(members)
+    for i, value in zip(order, torch.cat(parts).tolist(), strict=True):
+        found[i] = value
+    return found
 
 
 def owned(node_credit: dict[str, Any], given: Any = None) -> dict[str, Any]:
