@@ -248,7 +248,7 @@ class _LiveAtTheStart(torch.autograd.Function):
         import gc
 
         gc.collect()
-        _LiveAtTheStart.counts.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == (3, 5, 7)))
+        _LiveAtTheStart.counts.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == (3, 40, 70)))
         return credit
 
 
@@ -257,7 +257,7 @@ class _Scaled(nn.Module):
 
     def __init__(self, depth):
         super().__init__()
-        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 7, dtype=f64))
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 70, dtype=f64))
         self.depth = depth
 
     def forward(self, x):
@@ -273,7 +273,7 @@ def test_route_credit_lets_each_value_go_once_autograd_is_done_with_it():
     the Python tensors alive when the backward reaches the model's start (gc's count; autograd
     holds the credits it has computed so far in C++ until the pass ends), for two depths: each
     product more leaves no tensor more alive (held, its value would be)."""
-    x = torch.randn(3, 5, 7, dtype=f64)
+    x = torch.randn(3, 40, 70, dtype=f64)  # values above the size route_credit holds to the end
     live = []
     for depth in (3, 6):
         model = _Scaled(depth)

@@ -45,16 +45,22 @@ def reaches(roots: list[Tensor], targets: list[Tensor]) -> bool:
 
 def watched(names: list[str], values: Any) -> tuple[list[Place], list[Any]]:
     """Where each named value's credit will be found (:func:`routed`'s ``places``) and the
-    gradient edge of each of its tensors that requires grad (a leaf: the tensor itself).
-    Edges hold no value: a caller that drops the values after this (``route_credit``) lets
-    autograd free each value as a plain backward does, once nothing left needs it."""
+    gradient edge of each of its tensors that requires grad (a leaf, or a small tensor: the
+    tensor itself). Edges hold no value: a caller that drops the values after this
+    (``route_credit``) lets autograd free each value as a plain backward does, once nothing
+    left needs it."""
     edges: list[Any] = []
 
     def watch(t: Tensor) -> int:
-        edges.append(t if t.grad_fn is None else get_gradient_edge(t))
+        edges.append(t if t.grad_fn is None or t.numel() <= _HELD else get_gradient_edge(t))
         return len(edges) - 1
 
     return _taken_apart(names, values, watch), edges
+
+
+#: A value of at most this many elements is held to the end of the backward pass (taking its
+#: edge costs more than holding it: a deep MLP's hundreds of small values).
+_HELD = 1 << 12
 
 
 def routed(
