@@ -252,7 +252,7 @@ class _LiveAtTheStart(torch.autograd.Function):
         return credit
 
 
-class _Scaled(nn.Module):
+class _Products(nn.Module):
     """``depth`` products by a number, whose backward saves no value."""
 
     def __init__(self, depth):
@@ -276,7 +276,7 @@ def test_route_credit_lets_each_value_go_once_autograd_is_done_with_it():
     x = torch.randn(3, 40, 70, dtype=f64)  # values above the size route_credit holds to the end
     live = []
     for depth in (3, 6):
-        model = _Scaled(depth)
+        model = _Products(depth)
         G = fxnx.convert(model, x)
         _LiveAtTheStart.counts.clear()
         res = fxnx.route_credit(G, model, x)
