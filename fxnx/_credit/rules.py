@@ -79,6 +79,9 @@ class RoutingState:
     #: Direct feedback's flattened output credit, ``N × D``, for the nodes that receive it
     #: when the backward pass reaches them (fxnx's own; set before any of them runs).
     _direct: Any = field(default=None, init=False, repr=False)
+    #: The backward pass (autograd's graph task) that set ``_direct``: another pass reading it
+    #: (a second-order one that never reaches the output) is refused, not given a stale ``e``.
+    _direct_pass: Any = field(default=None, init=False, repr=False)
     #: The direct-feedback inputs (their places in the run's tap) that this forward's nodes
     #: receive themselves, rather than at the output.
     _received: set[int] = field(default_factory=set, init=False, repr=False)

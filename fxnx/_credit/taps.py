@@ -20,13 +20,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import linear_parameters, pytree, version
+from .._compat import graph_task, linear_parameters, pytree, version
 from .._errors import FxnxValueError
 from .feedback import check_bytes, readable
 from .native import PLAIN_TENSORS
 from .plan import Entry
 from .ruled import detached, feedback_written
 from .rules import RoutingState, per_sample
+
+#: Names the backward pass that calls it (autograd's graph task).
+backward_pass = graph_task()
 
 
 class TapSpec:
@@ -142,6 +145,7 @@ class _Tap(torch.autograd.Function):
         spec = ctx.spec
         if spec.pairs:
             e = ctx.state._direct = torch.cat([per_sample(g) for g in grads], 1)
+            ctx.state._direct_pass = backward_pass()
             needs = ctx.needs_input_grad[3 + len(slots):]
             received = ctx.state._received
             for j, (shape, dtype, needed) in enumerate(zip(ctx.shapes, ctx.dtypes, needs, strict=True)):
@@ -186,12 +190,20 @@ def output_credit(ctx: Any) -> Tensor:
     """``e``, the output's credit, which the output's tap sets before the backward pass
     reaches any node (``ctx`` is a node's, receiving at ``ctx.places``)."""
     e = ctx.state._direct
-    if e is None:
+    if e is None or ctx.state._direct_pass != backward_pass():
         entry, _ = ctx.spec.pairs[ctx.places[0]]
+        if e is None:
+            raise FxnxValueError(
+                f"direct feedback alignment at node {entry.call.name!r}: credit reached it by "
+                "a path that does not pass through the router's output; compute the loss from "
+                "the output router(...) returned"
+            )
         raise FxnxValueError(
-            f"direct feedback alignment at node {entry.call.name!r}: credit reached it by "
-            "a path that does not pass through the router's output; compute the loss from "
-            "the output router(...) returned"
+            f"direct feedback alignment at node {entry.call.name!r}: this backward pass reached "
+            "the node without passing through the router's output (a second-order pass through "
+            "a graph made with create_graph=True), so there is no output credit e to project "
+            "from: the last pass's e would be another pass's credit. Differentiate a loss "
+            "computed from the router's output, or route this node with another rule"
         )
     return e
 
