@@ -77,11 +77,11 @@ class RoutingState:
     seed: int = 0
     output_credit: Any = None
     #: Direct feedback's flattened output credit, ``N × D``, for the nodes that receive it
-    #: when the backward pass reaches them (fxnx's own; set before any of them runs).
-    _direct: Any = field(default=None, init=False, repr=False)
-    #: The backward pass (autograd's graph task) that set ``_direct``: another pass reading it
-    #: (a second-order one that never reaches the output) is refused, not given a stale ``e``.
-    _direct_pass: Any = field(default=None, init=False, repr=False)
+    #: when the backward pass reaches them (fxnx's own; set before any of them runs), by
+    #: backward pass (autograd's graph task): each pass projects its own ``e``, and a pass
+    #: that never reached the output (a loss on a value inside the model, a second-order pass)
+    #: has none, as its output credit is zero.
+    _direct: dict[Any, Tensor] = field(default_factory=dict, init=False, repr=False)
     #: The direct-feedback inputs (their places in the run's tap) that this forward's nodes
     #: receive themselves, rather than at the output.
     _received: set[int] = field(default_factory=set, init=False, repr=False)

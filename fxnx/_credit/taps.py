@@ -66,10 +66,13 @@ class TapSpec:
         drawn = getattr(entry.rule, "_B", ())
         return drawn[k] if k < len(drawn) else None
 
-    def send(self, j: int, e: Tensor, shape: torch.Size, dtype: torch.dtype, state: RoutingState) -> Tensor:
+    def send(self, j: int, e: Tensor | None, shape: torch.Size, dtype: torch.dtype, state: RoutingState) -> Tensor | None:
         """Place ``j``'s projection of ``e``, with its ``B`` as the forward pass left it
         (``state._drawn``): a write into it since, or another ``B`` given, is refused, as
-        autograd refuses a write into what it saved."""
+        autograd refuses a write into what it saved. None where ``e`` is (a backward pass
+        that never reached the output: :func:`output_credit`)."""
+        if e is None:
+            return None
         if state._drawn is not None and state._drawn[j] is not None:
             then, stamp = state._drawn[j]
             if version(then) != stamp or self._feedback(j) is not then:
@@ -144,8 +147,7 @@ class _Tap(torch.autograd.Function):
         sent: list[Tensor | None] = []
         spec = ctx.spec
         if spec.pairs:
-            e = ctx.state._direct = torch.cat([per_sample(g) for g in grads], 1)
-            ctx.state._direct_pass = backward_pass()
+            e = ctx.state._direct[backward_pass()] = torch.cat([per_sample(g) for g in grads], 1)
             needs = ctx.needs_input_grad[3 + len(slots):]
             received = ctx.state._received
             for j, (shape, dtype, needed) in enumerate(zip(ctx.shapes, ctx.dtypes, needs, strict=True)):
@@ -186,26 +188,12 @@ class _Receive(torch.autograd.Function):
         return (None, None, None, credit, *sent)
 
 
-def output_credit(ctx: Any) -> Tensor:
-    """``e``, the output's credit, which the output's tap sets before the backward pass
-    reaches any node (``ctx`` is a node's, receiving at ``ctx.places``)."""
-    e = ctx.state._direct
-    if e is None or ctx.state._direct_pass != backward_pass():
-        entry, _ = ctx.spec.pairs[ctx.places[0]]
-        if e is None:
-            raise FxnxValueError(
-                f"direct feedback alignment at node {entry.call.name!r}: credit reached it by "
-                "a path that does not pass through the router's output; compute the loss from "
-                "the output router(...) returned"
-            )
-        raise FxnxValueError(
-            f"direct feedback alignment at node {entry.call.name!r}: this backward pass reached "
-            "the node without passing through the router's output (a second-order pass through "
-            "a graph made with create_graph=True), so there is no output credit e to project "
-            "from: the last pass's e would be another pass's credit. Differentiate a loss "
-            "computed from the router's output, or route this node with another rule"
-        )
-    return e
+def output_credit(ctx: Any) -> Tensor | None:
+    """``e``, the output's credit in this backward pass, which the output's tap sets before
+    the pass reaches any node (``ctx`` is a node's); None in a pass that never reached the
+    output (its output credit is zero: routing is linear in the credit, so that pass's
+    projections are nothing, and backward calls add up as one over their sum does)."""
+    return ctx.state._direct.get(backward_pass())  # type: ignore[no-any-return]
 
 
 def direct_linear(spec: TapSpec, state: RoutingState, place: int, layer: torch.nn.Linear, x: Any) -> Any:
