@@ -206,10 +206,11 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
     (
         "torch._C._current_graph_task_id",
         "router.backward: a hook on a parameter keeps the credit of its own backward pass, "
-        "not another thread's (graph_task); brSF refuses a forward pass run again inside a "
-        "backward pass (in_backward)",
-        "the thread: right on the CPU, where a backward pass runs on its caller's thread; "
-        "brSF's check is skipped",
+        "not another thread's (graph_task); direct feedback alignment keeps each pass's output "
+        "credit apart; brSF refuses a forward pass run again inside a backward pass (in_backward)",
+        "the thread: right on the CPU, where a backward pass runs on its caller's thread, but "
+        "two passes of one thread through one forward (retain_graph) share direct feedback's "
+        "output credit; brSF's check is skipped",
     ),
     (
         "torch._C._functorch.peek_interpreter_stack",
