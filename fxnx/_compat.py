@@ -209,8 +209,16 @@ PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
         "not another thread's (graph_task); direct feedback alignment keeps each pass's output "
         "credit apart; brSF refuses a forward pass run again inside a backward pass (in_backward)",
         "the thread: right on the CPU, where a backward pass runs on its caller's thread, but "
-        "two passes of one thread through one forward (retain_graph) share direct feedback's "
-        "output credit; brSF's check is skipped",
+        "two passes of one thread through one forward (retain_graph), or any two passes on a "
+        "GPU (whose backward runs on one device thread), share direct feedback's output credit; "
+        "brSF's check is skipped",
+    ),
+    (
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        "direct feedback alignment drops a backward pass's output credit when the pass ends "
+        "(at_pass_end), as DistributedDataParallel queues its own end-of-pass work",
+        "each pass's output credit is kept as long as the forward's graph (one N × D tensor a "
+        "pass through a graph kept with retain_graph=True)",
     ),
     (
         "torch._C._functorch.peek_interpreter_stack",
@@ -439,9 +447,20 @@ if not callable(_GRAPH_TASK_ID):
 
 def graph_task() -> Callable[[], Any]:
     """A function naming the backward pass (autograd's graph task) that calls it: a hook on
-    a parameter, which every thread's backward pass runs, tells its own pass from another's.
-    Without it, the thread (a backward pass on the CPU runs on the thread that started it)."""
+    a parameter, which every thread's backward pass runs, tells its own pass from another's,
+    and direct feedback alignment keeps each pass's output credit apart by it. Without it,
+    the thread (a backward pass on the CPU runs on the thread that started it)."""
     return _GRAPH_TASK_ID if _GRAPH_TASK_ID is not None else threading.get_ident
+
+
+def at_pass_end(fn: Callable[[], None]) -> None:
+    """Call ``fn`` when the backward pass running now ends (autograd's engine runs it after
+    the pass's last node, as ``DistributedDataParallel`` waits for its reductions); where this
+    torch names the engine otherwise, never."""
+    engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if callable(queue):
+        queue(fn)
 
 
 def in_backward() -> bool:

@@ -128,7 +128,8 @@ def module_tables(m: nn.Module) -> tuple[dict[str, Any], ...]:
     return (vars(m), *own_tables(m))
 
 
-#: nn.Module's own tables (parameters, buffers, submodules): changed only by the model's code.
+#: nn.Module's own attributes (its tables of parameters, buffers, submodules and hooks, and
+#: ``training``): changed only by the model's code.
 _TABLES = frozenset(vars(nn.Module()))
 #: The types of attribute :func:`preserved` gives back the contents or state of.
 _CACHES = (dict, list, torch.Generator)
@@ -140,12 +141,12 @@ def _caches(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
     found = []
     for m in modules:
         own = vars(m)
-        # the names nn.Module's own tables do not take (a set difference, in C: most
-        # modules have a few, ints and tuples)
-        for name in own.keys() - _TABLES:
-            value = own[name]
-            if type(value) in _CACHES:
-                found.append((value, _kept(value)))
+        # a module's own attributes (Linear's sizes, Conv2d's stride): found by a set
+        # difference, in C, and looked at in their order only where one is a cache
+        extra = own.keys() - _TABLES
+        if any(type(own[name]) in _CACHES for name in extra):
+            found += [(value, _kept(value)) for name, value in own.items()
+                      if name in extra and type(value) in _CACHES]
     return found
 
 

@@ -623,9 +623,9 @@ def test_dfa_on_a_linear_layer_under_a_checkpoint_and_with_frozen_parts():
 @pytest.mark.parametrize("fuse", [True, False])
 def test_dfa_under_a_reentrant_checkpoint_is_the_plain_step(fuse):
     """A reentrant checkpoint of the router runs the router's forward and backward again inside
-    the outer backward pass, as a pass of its own: its output credit is that pass's own, so the
-    check that ``e`` comes from the pass reading it refuses nothing, and the gradients are the
-    plain step's, bit for bit."""
+    the outer backward pass, as a pass of its own: that inner pass sets and projects its own
+    ``e``, and the gradients are the plain step's, bit for bit. (A regression guard for keeping
+    ``e`` per pass: it passed before too.)"""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -722,6 +722,7 @@ def test_dfa_on_a_linear_layer_with_create_graph_is_the_layer_on_its_input_detac
     projection ``e·B`` is nothing, so the first layer gets no second-order credit. (It read the
     first pass's ``e``: a silent credit of another pass's. Fused: a run of layers as one
     function refuses create_graph, test_router_chain.)"""
+    seconds = []
     for hooked in (False, True):
         model = _mlp(5, 7, 6, 3)
         if hooked:
@@ -735,18 +736,21 @@ def test_dfa_on_a_linear_layer_with_create_graph_is_the_layer_on_its_input_detac
         assert g2.requires_grad  # through the activation's derivative at the layer's output
         second = torch.autograd.grad(g2.pow(2).sum(), [model[2].weight, model[0].weight], allow_unused=True)
         assert second[0] is not None and second[1] is None, hooked
+        seconds.append(second[0])
+    assert rel_error(seconds[0], seconds[1]) <= 1e-12
 
 
-@pytest.mark.parametrize("fuse", [True, False])
-def test_dfa_backward_calls_add_up_as_one_backward_of_their_sum(fuse):
+def test_dfa_backward_calls_add_up_as_one_backward_of_their_sum():
     """A loss on a value inside the model (a forward hook's) run in a backward pass of its own,
     after the main loss's: that pass never reaches the output, so its output credit is zero and
     it projects nothing; the two passes add up to one backward of the sum (routing is linear in
-    the credit). It projected the main pass's ``e`` again: layer 0's weight got twice its credit."""
+    the credit). It projected the main pass's ``e`` again: layer 0's weight got twice its credit.
+    (Unfused only: the hook keeps the layers apart, and a fused run's hidden values are its own,
+    so no pass reaches a fused run without passing through the output.)"""
     model = _mlp(5, 7, 6, 3)
     x = torch.randn(4, 5, dtype=f64, generator=torch.Generator().manual_seed(1))
     E = torch.randn(4, 3, dtype=f64, generator=torch.Generator().manual_seed(2))
-    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment", fuse=fuse)
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment")
     hidden = []
     model[3].register_forward_hook(lambda _m, _i, out: hidden.append(out))
     grads = []
@@ -762,6 +766,28 @@ def test_dfa_backward_calls_add_up_as_one_backward_of_their_sum(fuse):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         assert rel_error(grads[1][name], grads[0][name]) <= 1e-12, name
+
+
+def test_dfa_keeps_no_output_credit_after_its_backward_pass_ends():
+    """Each backward pass's ``e`` is dropped when the pass ends: five passes through one forward
+    kept with retain_graph (a Jacobian row by row) leave none behind in the forward's routing
+    state (five N × D tensors were kept as long as the graph). Oracle: the state's own count,
+    found by walking autograd's graph."""
+    model = _mlp(5, 7, 6, 3)
+    x = torch.randn(4, 5, dtype=f64, generator=torch.Generator().manual_seed(1))
+    router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment", fuse=False)
+    out = router(x)
+    todo, seen, state = [out.grad_fn], set(), None
+    while todo and state is None:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            state = getattr(node, "state", None)
+            todo += [fn for fn, _ in node.next_functions]
+    assert type(state).__name__ == "RoutingState"
+    for k in range(5):
+        torch.autograd.grad(out[:, k % 3].sum(), list(model.parameters()), retain_graph=True)
+        assert len(state._direct) == 0
 
 
 class _Gate(torch.autograd.Function):
@@ -784,7 +810,7 @@ def test_dfa_two_threads_backward_through_one_forward_each_project_their_own_cre
     """Thread A's backward pass pauses below the output (its ``e`` set) while thread B runs a
     whole pass through the same forward with another output credit; then A goes on. A's
     gradients are those of A's pass alone, bit for bit: each pass projects its own ``e`` (A
-    projected B's: layer a's weight got twice its credit)."""
+    projected B's: layers a and b got twice their credit)."""
     import threading
 
     class Net(nn.Module):

@@ -43,6 +43,11 @@ def reaches(roots: list[Tensor], targets: list[Tensor]) -> bool:
     return False
 
 
+#: A value of at most this many elements is held to the end of the backward pass (taking its
+#: edge costs more than holding it: a deep MLP's hundreds of small values).
+_HELD = 1 << 12
+
+
 def watched(names: list[str], values: Any) -> tuple[list[Place], list[Any]]:
     """Where each named value's credit will be found (:func:`routed`'s ``places``) and the
     gradient edge of each of its tensors that requires grad (a leaf, or a small tensor: the
@@ -56,11 +61,6 @@ def watched(names: list[str], values: Any) -> tuple[list[Place], list[Any]]:
         return len(edges) - 1
 
     return _taken_apart(names, values, watch), edges
-
-
-#: A value of at most this many elements is held to the end of the backward pass (taking its
-#: edge costs more than holding it: a deep MLP's hundreds of small values).
-_HELD = 1 << 12
 
 
 def routed(

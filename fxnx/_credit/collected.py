@@ -125,9 +125,9 @@ def route_credit(
     with TRACING_LOCK, preserved(model, modules):
         run, values = router.grafted(inputs, kwargs, collect=True)
         result, output, nodes = run_checked(run, model, values)
-        # every node's value goes once its edge is taken: each is then freed as autograd
-        # frees it, not held to the end of the backward pass (nor its memory faulted in again
-        # at the next call, where the allocator gave it back to the system)
+        # each node's value above accumulated._HELD elements goes once its edge is taken: it is
+        # then freed as autograd frees it, not held to the end of the backward pass (nor its
+        # memory faulted in again at the next call, where the allocator gave it back)
         places, edges = watched(run.names, nodes)
         del nodes
         flat = output_credit_like(result, output_credit)

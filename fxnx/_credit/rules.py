@@ -80,7 +80,7 @@ class RoutingState:
     #: when the backward pass reaches them (fxnx's own; set before any of them runs), by
     #: backward pass (autograd's graph task): each pass projects its own ``e``, and a pass
     #: that never reached the output (a loss on a value inside the model, a second-order pass)
-    #: has none, as its output credit is zero.
+    #: has none, as its output credit is zero. Each is dropped when its pass ends.
     _direct: dict[Any, Tensor] = field(default_factory=dict, init=False, repr=False)
     #: The direct-feedback inputs (their places in the run's tap) that this forward's nodes
     #: receive themselves, rather than at the output.

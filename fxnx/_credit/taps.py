@@ -12,6 +12,7 @@ that no edge of ``G`` joins to the output, gets its ``e·B`` at the output.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import graph_task, linear_parameters, pytree, version
+from .._compat import at_pass_end, graph_task, linear_parameters, pytree, version
 from .._errors import FxnxValueError
 from .feedback import check_bytes, readable
 from .native import PLAIN_TENSORS
@@ -147,7 +148,9 @@ class _Tap(torch.autograd.Function):
         sent: list[Tensor | None] = []
         spec = ctx.spec
         if spec.pairs:
-            e = ctx.state._direct[backward_pass()] = torch.cat([per_sample(g) for g in grads], 1)
+            now = backward_pass()
+            e = ctx.state._direct[now] = torch.cat([per_sample(g) for g in grads], 1)
+            at_pass_end(functools.partial(ctx.state._direct.pop, now, None))  # (no N × D per pass kept)
             needs = ctx.needs_input_grad[3 + len(slots):]
             received = ctx.state._received
             for j, (shape, dtype, needed) in enumerate(zip(ctx.shapes, ctx.dtypes, needs, strict=True)):
