@@ -777,13 +777,9 @@ def test_dfa_keeps_no_output_credit_after_its_backward_pass_ends():
     x = torch.randn(4, 5, dtype=f64, generator=torch.Generator().manual_seed(1))
     router = fxnx.CreditRouter(fxnx.convert(model, x), model, rule="direct_feedback_alignment", fuse=False)
     out = router(x)
-    todo, seen, state = [out.grad_fn], set(), None
-    while todo and state is None:
-        node = todo.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            state = getattr(node, "state", None)
-            todo += [fn for fn, _ in node.next_functions]
+    states = {id(s): s for fn in _grad_fns(out) if (s := getattr(fn, "state", None)) is not None}
+    assert len(states) == 1
+    (state,) = states.values()
     assert type(state).__name__ == "RoutingState"
     for k in range(5):
         torch.autograd.grad(out[:, k % 3].sum(), list(model.parameters()), retain_graph=True)

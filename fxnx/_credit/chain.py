@@ -162,15 +162,23 @@ def taken_at_call(steps: Sequence[Any], weights_of: Callable[[Any], Sequence[Ten
 
 
 @dataclasses.dataclass
-class Chain:
-    """A run of layers that :func:`chain_call` routes as one autograd function."""
+class Run:
+    """A run of layers fused into one node: its steps, each with the captured nodes it
+    computes (``step.nodes``: the layer's, then its activation's or None)."""
 
-    steps: list[Step]
+    steps: list[Any]
 
     @property
     def names(self) -> list[str]:
         """The names of the run's nodes, in order."""
         return [n.name for step in self.steps for n in step.nodes if n is not None]
+
+
+@dataclasses.dataclass
+class Chain(Run):
+    """A run of layers that :func:`chain_call` routes as one autograd function."""
+
+    steps: list[Step]
 
     def unfused(self, x: Any) -> Any:
         """The run's nodes called one by one, as the graph would call them."""

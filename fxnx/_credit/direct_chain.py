@@ -32,6 +32,7 @@ from .._compat import linear_parameters
 from .chain import (
     ActivationCall,
     Apart,
+    Run,
     refuse_higher_order,
     stamp_input,
     taken_at_call,
@@ -71,15 +72,10 @@ class DirectStep:
 
 
 @dataclasses.dataclass
-class DirectChain:
+class DirectChain(Run):
     """A run of layers that :func:`direct_chain_call` routes as one autograd function."""
 
     steps: list[DirectStep]
-
-    @property
-    def names(self) -> list[str]:
-        """The names of the run's nodes, in order."""
-        return [n.name for step in self.steps for n in step.nodes if n is not None]
 
 
 def direct_chain_call(chain: DirectChain, spec: TapSpec, state: RoutingState, x: Any) -> tuple[Any, ...]:

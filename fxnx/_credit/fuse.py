@@ -134,14 +134,17 @@ def _layer(node: fx.Node, root: dict[str, Any]) -> Layer | None:
     if node.op != "call_function" or node.kwargs:
         return None
     if node.target is native_call and len(node.args) == 2:
-        held = node.args[0]
-        spec = root.get(str(held.target)) if isinstance(held, fx.Node) and held.op == "get_attr" else None
+        spec = _attribute(node.args[0], root)
         return spec if isinstance(spec, NativeSpec) and spec.linear is not None else None
     if node.target is direct_linear and len(node.args) == 5 and isinstance(node.args[2], int):
-        held = node.args[3]
-        layer = root.get(str(held.target)) if isinstance(held, fx.Node) and held.op == "get_attr" else None
+        layer = _attribute(node.args[3], root)
         return layer if type(layer) is nn.Linear else None
     return None
+
+
+def _attribute(arg: Any, root: dict[str, Any]) -> Any:
+    """What ``arg`` names in ``root`` where it is an attribute node; None otherwise."""
+    return root.get(str(arg.target)) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
 
 
 def _held(layer: Layer) -> set[int]:
